@@ -1,0 +1,54 @@
+// The plan: a pure function of shapes, dtypes, attributes and the device. It never reads
+// device data, so the same plan sizes the workspace, the launch grids and the fake tensors,
+// and a call can be captured in a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "params.h"
+
+namespace gqa {
+
+struct DeviceInfo {
+  int32_t sm_count = 132;
+  int32_t sm_major = 9;
+};
+
+enum class Route : int32_t {
+  kDecode = 0,   // S == 1: fused prep + split-K decode + merge
+  kPrefill = 1,  // S > 1: fused prep + flash prefill
+};
+
+// Byte offsets into one workspace allocation (count, then carve).
+struct WorkspaceLayout {
+  size_t row_meta = 0;        // int32 [B, 4]: total, past, query_start, valid (or -1s)
+  size_t partial_out = 0;     // float [B, Hq, max_splits, D]   (decode only)
+  size_t partial_lse = 0;     // float [B, Hq, max_splits]      (decode only)
+  size_t total_bytes = 0;
+};
+
+struct Plan {
+  Route route = Route::kDecode;
+  int32_t max_splits = 1;     // upper bound on split-K CTAs per (row, kv head)
+  int32_t min_split_keys = 0; // smallest key chunk one split takes
+  WorkspaceLayout workspace;
+};
+
+// Rounds up to a multiple of the workspace alignment (256 bytes, the allocator's own).
+size_t align_workspace(size_t bytes);
+
+Plan make_plan(const Params& p, const DeviceInfo& device);
+
+// How many splits a row of `total` keys actually uses (device and host agree on this).
+// Pure, so the decode kernels and the tests compute the same number.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int32_t active_splits(int32_t total, int32_t max_splits, int32_t min_split_keys) {
+  if (total <= 0) return 1;
+  int32_t by_len = (total + min_split_keys - 1) / min_split_keys;
+  return by_len < max_splits ? by_len : max_splits;
+}
+
+}  // namespace gqa

@@ -1,0 +1,21 @@
+// The CPU backend: every SPEC feature, parallel over (row, kv head), fp32 accumulation, an
+// online softmax over key tiles. Pointers in `params` are host pointers.
+#pragma once
+
+#include <string>
+
+#include "../core/params.h"
+
+namespace gqa {
+namespace cpu {
+
+// Checks seqlens_k and position_ids for every row before anything is written.
+// Returns an empty string when valid, otherwise a message naming the row and the bound.
+std::string validate_rows(const Params& params);
+
+// Runs the call: functional past copy / zero fill, RoPE, append, attention, output.
+// Assumes validate_rows returned "".
+void run(const Params& params);
+
+}  // namespace cpu
+}  // namespace gqa

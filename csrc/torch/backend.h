@@ -1,0 +1,27 @@
+// The CUDA side of the torch glue: workspace, the per-device error word, the sync switch.
+// Built as a stub that raises a clear error when the extension was built without CUDA.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "../core/params.h"
+
+namespace gqa {
+
+// True when this build compiled the CUDA kernels.
+bool built_with_cuda();
+
+// Plans, carves one workspace from the caching allocator and launches on the current stream.
+// With `synchronous_check` (or the global switch) and outside graph capture it then reads the
+// error word, clears it and raises when a flag is set.
+void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check);
+
+// The sticky error word of a device, as a 1-element int32 tensor aliasing its fixed address.
+// Allocated on first use (outside graph capture).
+at::Tensor error_word(int64_t device_index);
+
+// Global debugging switch: every CUDA call checks the error word synchronously.
+void set_synchronous_errors(bool enabled);
+bool synchronous_errors();
+
+}  // namespace gqa

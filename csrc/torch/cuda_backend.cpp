@@ -1,0 +1,137 @@
+#include "backend.h"
+
+#include <atomic>
+#include <mutex>
+
+#include "../core/errors.h"
+#include "../core/plan.h"
+
+#ifdef GQA_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include "../kernels/launch.h"
+#endif
+
+namespace gqa {
+namespace {
+std::atomic<bool> g_synchronous_errors{false};
+}
+
+void set_synchronous_errors(bool enabled) { g_synchronous_errors = enabled; }
+bool synchronous_errors() { return g_synchronous_errors; }
+
+#ifndef GQA_WITH_CUDA
+
+bool built_with_cuda() { return false; }
+
+void run_cuda(Params&, const at::Tensor&, bool) {
+  TORCH_CHECK(false,
+              "gqa: this build of gqa_torch has no CUDA kernels (it was built CPU-only, see "
+              "gqa_torch.build_info()); rebuild with a CUDA-enabled torch and a matching nvcc, or call "
+              "the op on CPU tensors");
+}
+
+at::Tensor error_word(int64_t) {
+  TORCH_CHECK(false, "gqa: the error word exists only in a CUDA build (gqa_torch.build_info())");
+}
+
+#else
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+std::mutex g_word_mutex;
+uint32_t* g_words[kMaxDevices] = {};
+
+void check_cuda(cudaError_t status, const char* what) {
+  TORCH_CHECK(status == cudaSuccess, "gqa: ", what, " failed: ", cudaGetErrorString(status));
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// The word lives outside the caching allocator so that its address never changes: graphs
+// captured now keep reading and writing the same word on every replay.
+uint32_t* device_word(int device, cudaStream_t stream) {
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "gqa: device index ", device, " out of range");
+  std::lock_guard<std::mutex> lock(g_word_mutex);
+  if (g_words[device] == nullptr) {
+    TORCH_CHECK(!stream_is_capturing(stream),
+                "gqa: the first gqa call on cuda:", device,
+                " happened inside CUDA-graph capture; run one call (or gqa_torch.check_errors()) on this "
+                "device before capturing, as the usual warm-up does");
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    void* ptr = nullptr;
+    check_cuda(cudaMalloc(&ptr, 256), "cudaMalloc(error word)");
+    check_cuda(cudaMemset(ptr, 0, 256), "cudaMemset(error word)");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(error word)");
+    g_words[device] = static_cast<uint32_t*>(ptr);
+  }
+  return g_words[device];
+}
+
+DeviceInfo device_info(int device) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  DeviceInfo info;
+  info.sm_count = prop->multiProcessorCount;
+  info.sm_major = prop->major;
+  return info;
+}
+
+std::string describe_flags(uint32_t flags) {
+  std::string text;
+  for (int bit = 0; bit < kNumErrorFlags; ++bit) {
+    if (flags & (1u << bit)) {
+      if (!text.empty()) text += "; ";
+      text += error_flag_message(bit);
+    }
+  }
+  return text.empty() ? std::string("unknown flags") : text;
+}
+
+}  // namespace
+
+bool built_with_cuda() { return true; }
+
+at::Tensor error_word(int64_t device_index) {
+  const auto stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index));
+  uint32_t* word = device_word(static_cast<int>(device_index), stream.stream());
+  return at::from_blob(word, {1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_index));
+}
+
+void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
+  TORCH_CHECK_VALUE(p.head_dim % 2 == 0, "gqa: query: expected an even head_size on CUDA, got ", p.head_dim);
+  const int device = query.get_device();
+  c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  p.error_word = device_word(device, stream);
+
+  const Plan plan = make_plan(p, device_info(device));
+  // One allocation from PyTorch's caching allocator: stream-ordered and capture-safe.
+  at::Tensor workspace = at::empty({static_cast<int64_t>(plan.workspace.total_bytes)},
+                                   query.options().dtype(at::kByte));
+  cuda::launch(p, plan, workspace.data_ptr(), stream);
+
+  if ((synchronous_check || g_synchronous_errors) && !stream_is_capturing(stream)) {
+    uint32_t flags = 0;
+    check_cuda(cudaMemcpyAsync(&flags, p.error_word, sizeof(flags), cudaMemcpyDeviceToHost, stream),
+               "reading the error word");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (flags != 0) {
+      check_cuda(cudaMemsetAsync(p.error_word, 0, sizeof(uint32_t), stream), "clearing the error word");
+      TORCH_CHECK_VALUE(false, "[gqa-error-flags=", flags, "] gqa: bad seqlens_k/position_ids on cuda:", device,
+                        ": ", describe_flags(flags),
+                        ". The violating rows wrote nothing and their outputs are NaN; the flags are now cleared");
+    }
+  }
+}
+
+#endif
+
+}  // namespace gqa

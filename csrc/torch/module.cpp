@@ -1,0 +1,20 @@
+// The Python module gqa_torch._C. Importing it registers torch.ops.gqa.* (ops.cpp); the
+// functions here are the few things Python needs that are not operators.
+#include <torch/extension.h>
+
+#include "../core/errors.h"
+#include "backend.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gqa_torch native extension (operators are under torch.ops.gqa)";
+  m.def("built_with_cuda", &gqa::built_with_cuda, "True when this build compiled the CUDA kernels.");
+  m.def("error_word", &gqa::error_word, pybind11::arg("device_index"),
+        "The sticky per-device error word, as an int32 tensor aliasing its fixed address.");
+  m.def("set_synchronous_errors", &gqa::set_synchronous_errors, pybind11::arg("enabled"));
+  m.def("synchronous_errors", &gqa::synchronous_errors);
+  m.def("error_flag_messages", []() {
+    std::vector<std::string> messages;
+    for (int bit = 0; bit < gqa::kNumErrorFlags; ++bit) messages.emplace_back(gqa::error_flag_message(bit));
+    return messages;
+  }, "The wording of each error flag, in bit order.");
+}

@@ -1,0 +1,61 @@
+"""gqa_torch: fused grouped-query attention for PyTorch.
+
+``torch.ops.gqa.group_query_attention`` (functional, ONNX Runtime parity) and
+``torch.ops.gqa.group_query_attention_`` (in-place KV cache, graph-capturable), with CPU,
+CUDA and fake implementations. See the README and SPEC for the contract.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict
+
+import torch
+
+from . import _C
+from .errors import GQAError, decode_flags
+from .ops import (
+    check_errors,
+    clear_errors,
+    cuda_kernels_available,
+    group_query_attention,
+    group_query_attention_,
+    set_synchronous_errors,
+    synchronous_errors,
+)
+
+__all__ = [
+    "GQAError",
+    "build_info",
+    "check_errors",
+    "clear_errors",
+    "cuda_kernels_available",
+    "decode_flags",
+    "group_query_attention",
+    "group_query_attention_",
+    "set_synchronous_errors",
+    "synchronous_errors",
+]
+__version__ = "0.1.0"
+
+if list(_C.error_flag_messages()) != __import__("gqa_torch.errors", fromlist=["x"]).FLAG_MESSAGES:
+    raise ImportError("gqa_torch: the extension's error flag table differs from gqa_torch.errors (stale build?)")
+
+if os.environ.get("GQA_SYNC_ERRORS") == "1":
+    set_synchronous_errors(True)
+
+
+def build_info() -> Dict[str, Any]:
+    """How this extension was built: mode (CUDA or CPU-only, and why), CUDA archs, torch."""
+    try:
+        from . import _build_info as info
+    except ImportError:  # built by something other than setup.py
+        return {"mode": "CUDA" if _C.built_with_cuda() else "CPU-only"}
+    return {
+        "mode": info.MODE,
+        "cpu_only_reason": info.CPU_ONLY_REASON,
+        "cuda_archs": info.CUDA_ARCHS,
+        "built_against_torch": info.TORCH_VERSION,
+        "built_against_cuda": info.TORCH_CUDA,
+        "running_torch": torch.__version__,
+        "cuda_kernels_available": cuda_kernels_available(),
+    }
