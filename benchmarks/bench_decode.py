@@ -1,0 +1,226 @@
+"""Decode benchmark (BENCHMARKS.md): gqa_torch against SDPA flash, SDPA cuDNN and FlexAttention.
+
+Three tables, all measured in one run, bf16, CUDA-graph replays, inputs rotated beyond L2:
+1. decode: one new token per row, all rows full (our op = RoPE-free append + attention);
+2. ragged: rows of different valid lengths in one static cache (SDPA reads the capacity);
+3. step: the whole decode step (RoPE + append + attention) against the HF StaticCache step
+   (RoPE + index_copy_ + masked SDPA over the capacity).
+Writes benchmarks/results/decode*.{json,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import gqa_torch
+from common import HBM_DATASHEET_TBS, bar_plot, measure_hbm_read_tbs, progress, sets_for_bytes, time_graph, write_tables
+
+DECODE_GRID = [  # B, Hq, Hkv, D, L
+    (1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768),
+    (8, 32, 8, 128, 1024), (8, 32, 8, 128, 8192), (8, 32, 8, 128, 32768),
+    (64, 32, 8, 128, 1024), (64, 32, 8, 128, 8192), (64, 32, 8, 128, 32768),
+    (1, 14, 2, 64, 1024), (1, 14, 2, 64, 32768), (16, 64, 8, 128, 8192),
+]
+STEP_GRID = [(1, 4096, 1000), (8, 4096, 1000), (8, 32768, 4000), (32, 8192, 8000)]  # B, capacity, length
+DTYPE = torch.bfloat16
+
+
+def latency_bound(b, hq, hkv, d, length):
+    return (b == 1 and length <= 8192) or (hq, hkv, d) == (14, 2, 64)
+
+
+def time_sdpa(backend, qs, ks, vs, mask=None):
+    def step(i):
+        with sdpa_kernel([backend]):
+            F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=mask, enable_gqa=True)
+
+    try:
+        return time_graph(step, len(qs))
+    except Exception as exc:  # a backend that has no kernel for this case
+        progress(f"    {backend.name}: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
+        return float("nan")
+
+
+def time_flex(qs, ks, vs):
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+
+        def step(i):
+            flex(qs[i], ks[i], vs[i], enable_gqa=True)
+
+        return time_graph(step, len(qs))
+    except Exception as exc:
+        progress(f"    flex: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
+        return float("nan")
+
+
+def decode_table(args):
+    rows = []
+    for b, hq, hkv, d, length in DECODE_GRID:
+        kv_bytes = 2 * b * hkv * length * d * 2
+        n = sets_for_bytes(kv_bytes)
+        progress(f"decode B={b} {hq}/{hkv}/{d} L={length}: {kv_bytes / 1e6:.0f} MB K/V, {n} input sets")
+        caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
+                   torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
+        qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+        new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+        seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+        q_bsh = [q.transpose(1, 2).reshape(b, 1, hq * d) for q in qs]
+
+        def ours(i):
+            gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
+                                             num_heads=hq, kv_num_heads=hkv)
+
+        t_ours = time_graph(ours, n)
+        ks, vs = [c[0] for c in caches], [c[1] for c in caches]
+        t_flash = time_sdpa(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
+        t_cudnn = time_sdpa(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
+        t_flex = time_flex(qs, ks, vs) if args.flex and kv_bytes < 1e9 else float("nan")
+        best = min(t for t in (t_flash, t_cudnn) if t == t)
+        row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, kv_MB=kv_bytes / 1e6, ours_us=t_ours,
+                   sdpa_flash_us=t_flash, sdpa_cudnn_us=t_cudnn, flex_us=t_flex,
+                   speedup_vs_best=best / t_ours, TBps=kv_bytes / t_ours / 1e6,
+                   pct_of_4_8TBps=100 * kv_bytes / t_ours / 1e6 / HBM_DATASHEET_TBS,
+                   target=("1.3x" if latency_bound(b, hq, hkv, d, length) else
+                           ("90% HBM" if kv_bytes >= 1e9 else "1.0x")))
+        row["meets_target"] = (row["speedup_vs_best"] >= (1.3 if row["target"] == "1.3x" else 1.0)
+                               and (row["pct_of_4_8TBps"] >= 90 or row["target"] != "90% HBM"))
+        progress(f"    ours {t_ours:.1f} us | flash {t_flash:.1f} | cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | "
+                 f"{row['speedup_vs_best']:.2f}x best SDPA, {row['TBps']:.2f} TB/s")
+        rows.append(row)
+        del caches, qs, q_bsh, ks, vs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ragged_table():
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    for b, capacity, low in [(32, 8192, 256), (8, 32768, 256)]:
+        g = torch.Generator().manual_seed(b)
+        lengths = torch.randint(low, capacity + 1, (b,), generator=g)
+        valid_bytes = 2 * int(lengths.sum()) * hkv * d * 2
+        cap_bytes = 2 * b * hkv * capacity * d * 2
+        n = sets_for_bytes(cap_bytes)
+        progress(f"ragged B={b} capacity={capacity} mean={lengths.float().mean():.0f}: {n} input sets")
+        ks = [torch.randn(b, hkv, capacity, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        vs = [torch.randn(b, hkv, capacity, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        q_bsh = [q.transpose(1, 2).reshape(b, 1, hq * d) for q in qs]
+        new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+        new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+        seqlens = (lengths - 1).to(torch.int32).cuda()
+        mask = (torch.arange(capacity)[None, :] < lengths[:, None]).cuda()[:, None, None, :]
+
+        def ours(i):
+            gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, ks[i], vs[i], seqlens,
+                                             num_heads=hq, kv_num_heads=hkv)
+
+        t_ours = time_graph(ours, n)
+        t_cudnn_mask = time_sdpa(SDPBackend.CUDNN_ATTENTION, qs, ks, vs, mask)
+        t_eff_mask = time_sdpa(SDPBackend.EFFICIENT_ATTENTION, qs, ks, vs, mask)
+        t_flash_full = time_sdpa(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
+        masked = min(t for t in (t_cudnn_mask, t_eff_mask, t_flash_full) if t == t)
+        row = dict(B=b, capacity=capacity, mean_len=float(lengths.float().mean()), valid_MB=valid_bytes / 1e6,
+                   ours_us=t_ours, sdpa_cudnn_mask_us=t_cudnn_mask, sdpa_efficient_mask_us=t_eff_mask,
+                   sdpa_flash_full_capacity_us=t_flash_full, speedup_vs_best=masked / t_ours,
+                   capacity_over_mean=capacity / float(lengths.float().mean()),
+                   floor_us=valid_bytes / (HBM_DATASHEET_TBS * 1e6),
+                   pct_of_4_8TBps=100 * valid_bytes / t_ours / 1e6 / HBM_DATASHEET_TBS)
+        progress(f"    ours {t_ours:.1f} us | cudnn+mask {t_cudnn_mask:.1f} | flash full {t_flash_full:.1f} | "
+                 f"{row['speedup_vs_best']:.2f}x (capacity/mean {row['capacity_over_mean']:.2f})")
+        rows.append(row)
+        del ks, vs, qs, q_bsh
+        torch.cuda.empty_cache()
+    return rows
+
+
+def rope_half(x, cos, sin):
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)
+
+
+def step_table():
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    for b, capacity, length in STEP_GRID:
+        cap_bytes = 2 * b * hkv * capacity * d * 2
+        n = sets_for_bytes(cap_bytes)
+        progress(f"step B={b} capacity={capacity} length={length}: {n} input sets")
+        cos_table = torch.randn(capacity, d // 2, device="cuda").cos()
+        sin_table = torch.randn(capacity, d // 2, device="cuda").sin()
+        ks = [torch.randn(b, hkv, capacity, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        vs = [torch.randn(b, hkv, capacity, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        qkv = [torch.randn(b, 1, (hq + 2 * hkv) * d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+        position = torch.full((b, 1), length - 1, dtype=torch.int64, device="cuda")
+        cache_position = torch.tensor([length - 1], device="cuda")
+        mask = (torch.arange(capacity, device="cuda") < length)[None, None, None, :].expand(b, 1, 1, capacity)
+
+        def ours(i):
+            gqa_torch.group_query_attention_(qkv[i], None, None, ks[i], vs[i], seqlens, cos_table, sin_table,
+                                             num_heads=hq, kv_num_heads=hkv, do_rotary=True)
+
+        def hf_step(i):
+            q, k, v = qkv[i].split([hq * d, hkv * d, hkv * d], -1)
+            q = q.view(b, 1, hq, d).transpose(1, 2)
+            k = k.view(b, 1, hkv, d).transpose(1, 2)
+            v = v.view(b, 1, hkv, d).transpose(1, 2)
+            cos, sin = cos_table[position][:, None], sin_table[position][:, None]
+            q, k = rope_half(q, cos, sin), rope_half(k, cos, sin)
+            ks[i].index_copy_(2, cache_position, k)
+            vs[i].index_copy_(2, cache_position, v)
+            F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=mask, enable_gqa=True)
+
+        t_ours = time_graph(ours, n)
+        t_hf = time_graph(hf_step, n)
+        row = dict(B=b, capacity=capacity, length=length, ours_us=t_ours, hf_step_us=t_hf, speedup=t_hf / t_ours)
+        progress(f"    ours {t_ours:.1f} us | HF step {t_hf:.1f} us | {row['speedup']:.2f}x")
+        rows.append(row)
+        del ks, vs, qkv
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles; slow)")
+    parser.add_argument("--only", choices=["decode", "ragged", "step"], default=None)
+    args = parser.parse_args()
+    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
+    torch.manual_seed(0)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16",
+                timing="median of CUDA-graph replays, inputs rotated beyond L2")
+    progress("measuring HBM read bandwidth (x.sum over 4 GiB)")
+    meta["measured_read_TBps"] = round(measure_hbm_read_tbs(), 3)
+    progress(f"  {meta['measured_read_TBps']} TB/s")
+    out = []
+    if args.only in (None, "decode"):
+        rows = decode_table(args)
+        cols = ["B", "heads", "L", "kv_MB", "ours_us", "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+                "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
+        out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
+        bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],
+                 {"gqa_torch": [r["ours_us"] for r in rows], "SDPA flash": [r["sdpa_flash_us"] for r in rows],
+                  "SDPA cuDNN": [r["sdpa_cudnn_us"] for r in rows]}, "µs (lower is better)", "Decode, bf16, H200")
+    if args.only in (None, "ragged"):
+        rows = ragged_table()
+        cols = ["B", "capacity", "mean_len", "valid_MB", "ours_us", "sdpa_cudnn_mask_us", "sdpa_efficient_mask_us",
+                "sdpa_flash_full_capacity_us", "speedup_vs_best", "capacity_over_mean", "floor_us", "pct_of_4_8TBps"]
+        out.append(write_tables("decode_ragged", meta, rows, cols, "Ragged decode"))
+    if args.only in (None, "step"):
+        rows = step_table()
+        cols = ["B", "capacity", "length", "ours_us", "hf_step_us", "speedup"]
+        out.append(write_tables("decode_step", meta, rows, cols, "Full decode step vs HF StaticCache step"))
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Shared timing and reporting for the benchmarks (BENCHMARKS.md method).
+
+Time = CUDA events around CUDA-graph replays of a loop of calls that rotates over enough
+input sets to defeat the 60 MB L2; the median over replays, after a warm-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HBM_DATASHEET_TBS = 4.8
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def sets_for_bytes(bytes_per_set: int, target: int = 400 << 20, cap: int = 64) -> int:
+    """How many input sets to rotate over so that their bytes exceed `target`."""
+    return max(1, min(cap, -(-target // max(1, bytes_per_set))))
+
+
+def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int = 0, replays: int = 15) -> float:
+    """Median µs per call of `step(i)` (i = input set), captured in one CUDA graph."""
+    calls = calls_per_replay or max(n_sets, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(calls, n_sets) + 2):  # warm-up: allocations, autotuning, lazy init
+            step(i % n_sets)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            step(i % n_sets)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def measure_hbm_read_tbs() -> float:
+    """Measured read bandwidth of this GPU now: x.sum() over 4 GiB of bf16."""
+    x = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty((), device="cuda", dtype=torch.float32)
+
+    def step(_):
+        torch.sum(x, dtype=torch.float32, out=out)
+
+    us = time_graph(step, 1, calls_per_replay=4, replays=5)
+    del x
+    torch.cuda.empty_cache()
+    return x_bytes_tbs(1 << 32, us)
+
+
+def x_bytes_tbs(nbytes: float, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def write_tables(name: str, meta: Dict, rows: List[Dict], columns: Sequence[str], title: str) -> str:
+    """Writes results/<name>.json and results/<name>.md; returns the Markdown table."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [f"## {title}", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for c in columns:
+            v = row.get(c, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def bar_plot(name: str, labels: List[str], series: Dict[str, List[float]], ylabel: str, title: str) -> None:
+    """results/<name>.png: grouped bars, one group per row. Skipped quietly without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib missing: no PNG plot")
+        return
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.9), 4.5))
+    for i, (key, values) in enumerate(series.items()):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [v if v == v else 0 for v in values], width, label=key)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=110)
+    plt.close(fig)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
+# Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench]...
+# (default: all four, in that order).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+steps=${*:-build test sanitize bench}
+status=0
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+
+for step in $steps; do
+  case $step in
+    build)
+      start=$(date +%s)
+      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} GQA_REQUIRE_CUDA=1 \
+        python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+      echo "build: $(( $(date +%s) - start )) s"
+      grep -E "registers|spill" "$OUT/build.log" | sort | uniq | head -40 ;;
+    test)
+      python3 -m pytest tests -q -ra -p no:cacheprovider ${GQA_TEST_ARGS:-} > "$OUT/tests.log" 2>&1 || status=1
+      tail -25 "$OUT/tests.log" ;;
+    sanitize)
+      compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
+        -k "${GQA_SANITIZE_K:-decode or prefill or error}" -p no:cacheprovider > "$OUT/memcheck.log" 2>&1 || status=1
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5 ;;
+    bench)
+      (cd benchmarks && python3 bench_decode.py ${GQA_BENCH_ARGS:-}) > "$OUT/bench_decode.log" 2>&1 || status=1
+      cp benchmarks/results/decode* "$OUT/" 2>/dev/null
+      cat "$OUT/bench_decode.log" | grep -v "^    " | tail -60 ;;
+  esac
+done
+exit $status
