@@ -3,6 +3,11 @@
 ``torch.ops.gqa.group_query_attention`` (functional, ONNX Runtime parity) and
 ``torch.ops.gqa.group_query_attention_`` (in-place KV cache, graph-capturable), with CPU,
 CUDA and fake implementations. See the README and SPEC for the contract.
+
+The user layer: :class:`KVCache` (a static per-layer cache with per-row lengths on the device),
+:class:`GroupQueryAttention` (an ``nn.Module`` on the in-place op), ``gqa_torch.graphs`` (CUDA-graph
+decode steps) and ``gqa_torch.hf`` (Hugging Face transformers; imported on demand, so transformers
+stays optional).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Any, Dict
 import torch
 
 from . import _C
+from .cache import KVCache
 from .errors import GQAError, decode_flags
 from .ops import (
     check_errors,
@@ -22,9 +28,12 @@ from .ops import (
     set_synchronous_errors,
     synchronous_errors,
 )
+from .module import GroupQueryAttention
 
 __all__ = [
     "GQAError",
+    "GroupQueryAttention",
+    "KVCache",
     "build_info",
     "check_errors",
     "clear_errors",

@@ -1,0 +1,343 @@
+"""Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
+
+Every family (Llama, Mistral, Qwen2, Qwen3, Gemma2) is built from a config, with the features
+that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
+softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms). The reference is the same
+model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
+operator checks that the route under test really ran (no silent fallback).
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import gqa_torch  # noqa: E402
+import gqa_torch.hf as ghf  # noqa: E402
+from gqa_torch.hf import GQACache  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not gqa_torch.cuda_kernels_available(),
+                                reason="needs the CUDA kernels and a CUDA device")
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict()),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, attn_logit_softcapping=2.0,
+                                                         query_pre_attn_scalar=24, final_logit_softcapping=30.0)),
+}
+
+
+def build(family: str, **overrides):
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(config).eval()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def left_padded(batch_lengths, vocab=128, width=None):
+    """input_ids/attention_mask of a left-padded batch with real tokens in [3, vocab)."""
+    width = width or max(batch_lengths)
+    ids = torch.randint(3, vocab, (len(batch_lengths), width))
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(batch_lengths):
+        ids[b, :width - n] = 0
+        mask[b, width - n:] = 1
+    return ids, mask
+
+
+class Spy:
+    """Counts the operator calls of each route while installed."""
+
+    def __init__(self, monkeypatch):
+        self.calls = Counter()
+        real = ghf.group_query_attention_
+
+        def spy(*args, **kwargs):
+            self.calls["fused" if kwargs.get("do_rotary") else "generic"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ghf, "group_query_attention_", spy)
+
+
+def generate(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                              max_new_tokens=kwargs.pop("max_new_tokens", 8), **kwargs)
+
+
+# ---- the fused route ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_generate_matches_hf(family, monkeypatch):
+    ref = build(family)
+    ours = ghf.enable(copy.deepcopy(ref))
+    ids, mask = left_padded([5, 11, 8])
+    expected = generate(ref, ids, mask)
+    spy = Spy(monkeypatch)
+    got = generate(ours, ids, mask)
+    assert spy.calls["fused"] == 3 * 8 and spy.calls["generic"] == 0, spy.calls  # 3 layers x (prefill + 7 steps)
+    assert torch.equal(got, expected), f"\n{got[:, ids.shape[1]:]}\n{expected[:, ids.shape[1]:]}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_logits_match_hf(family, monkeypatch):
+    """Prefill of a left-padded batch into a GQACache, then two decode steps: logits at every
+    real position within fp32 tolerance of HF (eager, DynamicCache)."""
+    ref = build(family)
+    ours = ghf.enable(copy.deepcopy(ref))
+    ids, mask = left_padded([9, 4, 7])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = GQACache.for_model(ours, 3, 16)
+    spy = Spy(monkeypatch)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        got = ours(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        real = mask.bool()
+        torch.testing.assert_close(got.logits[real], want.logits[real], rtol=1e-4, atol=1e-4)
+        past, tokens = want.past_key_values, want.logits[:, -1:].argmax(-1)
+        for _ in range(2):
+            mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+            positions = positions[:, -1:] + 1
+            want = ref(tokens, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            got = ours(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+            past, tokens = want.past_key_values, want.logits[:, -1:].argmax(-1)
+    assert spy.calls["fused"] == 3 * 3 and spy.calls["generic"] == 0
+    assert cache.kv.lengths_host(0).tolist() == [11, 6, 9]  # compacted: real tokens only
+    assert int(cache.get_seq_length()) == 11  # columns fed, HF's count
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_window_and_softcap_are_exercised(family):
+    """Negative control: with the fused layers' window and softcap switched off, the logits no
+    longer match, so the parity tests above really cover those features."""
+    ref = build(family)
+    ours = ghf.enable(copy.deepcopy(ref))
+    for layer in ours.model.layers:
+        layer.self_attn._gqa_fused.window = -1
+        layer.self_attn._gqa_fused.softcap = 0.0
+    ids, mask = left_padded([12, 9])
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask, past_key_values=GQACache.for_model(ours, 2, 12)).logits
+    assert (got - want)[mask.bool()].abs().max() > 1e-2
+
+
+def test_fused_beam_search_matches_hf():
+    ref = build("llama")
+    ours = ghf.enable(copy.deepcopy(ref))
+    ids, mask = left_padded([6, 10])
+    expected = generate(ref, ids, mask, num_beams=3, max_new_tokens=6)
+    got = generate(ours, ids, mask, num_beams=3, max_new_tokens=6)
+    assert torch.equal(got, expected)
+
+
+def test_fused_plain_forward_falls_back_to_the_generic_route(monkeypatch):
+    """model(ids) without a GQACache makes HF's DynamicCache: the patched layers run the generic
+    route (HF RoPE + HF cache + our op) and still match."""
+    ref = build("qwen3")
+    ours = ghf.enable(copy.deepcopy(ref))
+    ids, mask = left_padded([7, 3])
+    spy = Spy(monkeypatch)
+    with torch.no_grad():
+        want, got = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert spy.calls["generic"] == 3 and spy.calls["fused"] == 0
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_qkv_shares_storage_and_disable_restores():
+    ref = build("qwen2")
+    model = copy.deepcopy(ref)
+    params_before = sum(p.numel() for p in model.parameters())
+    ghf.enable(model)
+    attn = model.model.layers[0].self_attn
+    fused = attn._gqa_qkv_weight
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert attn.q_proj.bias.untyped_storage().data_ptr() == attn._gqa_qkv_bias.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == params_before
+    assert model.config._attn_implementation == "gqa"
+    ghf.disable(model)
+    assert model.config._attn_implementation == "eager" and "forward" not in attn.__dict__
+    ids, mask = left_padded([5, 5])
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=4), generate(ref, ids, mask, max_new_tokens=4))
+
+
+def test_gqacache_too_small_raises_before_writing():
+    model = ghf.enable(build("llama"))
+    ids, mask = left_padded([6, 6])
+    cache = GQACache.for_model(model, 2, 8)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        keys_before = cache.kv.key.clone()
+        with pytest.raises(ValueError, match="capacity"):
+            model(ids[:, :3], attention_mask=torch.ones(2, 9, dtype=torch.long), past_key_values=cache)
+    assert torch.equal(cache.kv.key, keys_before)
+    assert cache.kv.lengths_host(0).tolist() == [6, 6]
+
+
+def test_gqacache_reset_and_reuse_across_generate_calls():
+    ref = build("mistral")
+    ours = ghf.enable(copy.deepcopy(ref))
+    cache = GQACache.for_model(ours, 2, 32)
+    ids, mask = left_padded([4, 9])
+    first = generate(ours, ids, mask, past_key_values=cache)
+    assert int(cache.get_seq_length()) == ids.shape[1] + 7
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0 and cache.kv.lengths.eq(0).all()
+    assert torch.equal(generate(ours, ids, mask, past_key_values=cache), first)
+    assert torch.equal(first, generate(ref, ids, mask))
+
+
+# ---- the generic route (attn_implementation="gqa") ------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generic_generate_matches_hf(family, monkeypatch):
+    ref = build(family)
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation("gqa")
+    ids, mask = left_padded([10, 3, 6])
+    expected = generate(ref, ids, mask)
+    spy = Spy(monkeypatch)
+    got = generate(ours, ids, mask)
+    assert spy.calls["generic"] == 3 * 8 and spy.calls["fused"] == 0
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_generic_static_cache_matches_hf(family):
+    ref = build(family)
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation("gqa")
+    ids, mask = left_padded([8, 5])
+    expected = generate(ref, ids, mask, cache_implementation="static")
+    assert torch.equal(generate(ours, ids, mask, cache_implementation="static"), expected)
+    assert torch.equal(expected, generate(ref, ids, mask))
+
+
+def test_generic_route_supports_sinks():
+    """s_aux (gpt-oss style per-head sinks) reaches the operator as head_sink."""
+    q = torch.randn(2, 4, 3, 16)
+    k, v = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    sinks = torch.randn(4) * 2
+    got, _ = ghf.gqa_attention_forward(Layer(), q, k, v, None, s_aux=sinks)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    logits = (q @ kk.transpose(-1, -2)) / 4.0
+    logits = logits.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+    full = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, 3, 1)], -1).softmax(-1)
+    want = (full[..., :3] @ vv).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_generic_route_rejects_foreign_masks():
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
+    with pytest.raises(ValueError, match="gqa_mask"):
+        ghf.gqa_attention_forward(Layer(), q, k, k, torch.zeros(1, 1, 2, 2))
+
+
+def test_gqa_mask_describes_the_slots():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    state = ghf.gqa_mask(2, 2, 7, q_offset=3, kv_offset=0, attention_mask=mask).view(2, 7)
+    E, P, N, NP = ghf.EMPTY, ghf.PAST, ghf.NEW, ghf.NEW_PAD
+    assert state.tolist() == [[E, E, P, N, N, E, E], [P, P, P, N, N, E, E]]
+    state = ghf.gqa_mask(1, 3, 3, q_offset=torch.tensor(0), kv_offset=torch.tensor(0),
+                         attention_mask=torch.tensor([[0, 1, 1]])).view(1, 3)
+    assert state.tolist() == [[NP, N, N]]
+    assert ghf.gqa_mask(2, 4, 4, q_offset=torch.tensor(9), kv_offset=torch.tensor(9)) is None  # GQACache, no padding
+    state = ghf.gqa_mask(2, 1, 6, q_offset=torch.tensor(3), kv_offset=0).view(2, 6)  # static cache, no mask
+    assert state.tolist() == [[P, P, P, N, E, E]] * 2
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+def _cuda_model(family, dtype, attn="eager", **overrides):
+    torch.manual_seed(0)
+    model = build(family, **overrides)
+    model.config._attn_implementation = attn
+    return model.to(device="cuda", dtype=dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_gpu_bf16_fused_close_to_hf(family):
+    ref = _cuda_model(family, torch.bfloat16, attn="eager")
+    ours = ghf.enable(copy.deepcopy(ref))
+    ids, mask = left_padded([20, 13, 17])
+    ids, mask = ids.cuda(), mask.cuda()
+    cache = GQACache.for_model(ours, 3, 24)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits.float()
+        got = ours(ids, attention_mask=mask, past_key_values=cache).logits.float()
+    real = mask.bool()
+    rel = ((got - want)[real].norm() / want[real].norm()).item()
+    assert rel < 3e-2, rel
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_gpu_compiled_generate_matches_eager(family):
+    """On CUDA, generate() compiles the decode step (reduce-overhead) because GQACache is a
+    compileable static cache; fp32 tokens must equal the uncompiled run and HF's own."""
+    ref = _cuda_model(family, torch.float32)
+    ours = ghf.enable(copy.deepcopy(ref))
+    ids, mask = left_padded([9, 4, 12])
+    ids, mask = ids.cuda(), mask.cuda()
+    eager = generate(ours, ids, mask, max_new_tokens=10, disable_compile=True)
+    compiled = generate(ours, ids, mask, max_new_tokens=10)
+    gqa_torch.check_errors()
+    assert torch.equal(eager, compiled)
+    assert torch.equal(eager, generate(ref, ids, mask, max_new_tokens=10))
+
+
+@needs_cuda
+def test_gpu_generic_static_cache_compiled():
+    ref = _cuda_model("qwen2", torch.float32)
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation("gqa")
+    ids, mask = left_padded([9, 4])
+    ids, mask = ids.cuda(), mask.cuda()
+    want = generate(ref, ids, mask, cache_implementation="static", max_new_tokens=8)
+    got = generate(ours, ids, mask, cache_implementation="static", max_new_tokens=8)
+    assert torch.equal(got, want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["graph", "compile"])
+def test_gpu_graph_decode_of_an_hf_model(backend):
+    """One decode step of the whole HF model (fused route) in a CUDA graph / compiled with
+    reduce-overhead + fullgraph, replayed for greedy decoding: same tokens as generate()."""
+    from gqa_torch.graphs import CompiledStep, CUDAGraphStep, greedy_decode
+    ref = _cuda_model("llama", torch.float32)
+    ours = ghf.enable(copy.deepcopy(ref))
+    B, P, steps = 2, 7, 10
+    ids = torch.randint(3, 128, (B, P), device="cuda")
+    expected = generate(ours, ids, torch.ones_like(ids), max_new_tokens=steps, disable_compile=True)[:, P:]
+    cache = GQACache.for_model(ours, B, P + steps)
+    with torch.no_grad():
+        first = ours(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+
+        def step(tokens):
+            positions = cache.kv.lengths[0][:, None].long()
+            return ours(input_ids=tokens, position_ids=positions, past_key_values=cache).logits
+
+        runner = CUDAGraphStep(step) if backend == "graph" else CompiledStep(step)
+        got = greedy_decode(runner, first, steps)
+    assert torch.equal(got, expected)
