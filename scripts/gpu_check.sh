@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
-# Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench]...
-# (default: all four, in that order).
+# Logs go to $OUT (or ./gpu_out); results tables to benchmarks/results/ (copied to $OUT).
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e]...
+# (default: build test sanitize bench prefill, in that order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-steps=${*:-build test sanitize bench}
+steps=${*:-build test sanitize bench prefill}
 status=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 
@@ -28,8 +29,14 @@ for step in $steps; do
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5 ;;
     bench)
       (cd benchmarks && python3 bench_decode.py ${GQA_BENCH_ARGS:-}) > "$OUT/bench_decode.log" 2>&1 || status=1
-      cp benchmarks/results/decode* "$OUT/" 2>/dev/null
-      cat "$OUT/bench_decode.log" | grep -v "^    " | tail -60 ;;
+      grep -v "^    " "$OUT/bench_decode.log" | tail -45 ;;
+    prefill)
+      (cd benchmarks && python3 bench_prefill.py) > "$OUT/bench_prefill.log" 2>&1 || status=1
+      grep -v "^    " "$OUT/bench_prefill.log" | tail -25 ;;
+    e2e)
+      (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
+      tail -20 "$OUT/bench_e2e.log" ;;
   esac
 done
+tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
 exit $status

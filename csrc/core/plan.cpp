@@ -9,16 +9,22 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
   plan.route = p.query_len == 1 ? Route::kDecode : Route::kPrefill;
 
   if (plan.route == Route::kDecode) {
-    // One CTA per (row, kv head, split). Aim for about two waves of CTAs so that B=1 still
-    // fills every SM; a split never takes fewer than min_split_keys keys, so short rows use
-    // fewer splits (chosen on the device from seqlens_k).
+    // One CTA per (row, kv head, split); the decode kernel keeps two CTAs resident per SM.
+    // Take as many splits as fit in one such wave (floor, not ceil: a second, nearly empty
+    // wave of full-length CTAs would double the time), so that B=1 still fills every SM; and
+    // at least enough that a full-capacity row splits into chunks of <= 4096 keys, so that a
+    // ragged batch is spread evenly over the SMs instead of waiting on its longest rows.
+    // A split never takes fewer than min_split_keys keys (one 64-key tile), so short rows
+    // use fewer splits (chosen on the device from each row's visible length).
     const int64_t base_ctas = static_cast<int64_t>(p.batch) * p.kv_heads;
-    const int64_t want = 2LL * device.sm_count;
-    int64_t splits = (want + base_ctas - 1) / base_ctas;
+    const int64_t slots = 2LL * device.sm_count;
+    int64_t splits = slots / (base_ctas > 0 ? base_ctas : 1);
+    const int64_t by_chunk = (static_cast<int64_t>(p.capacity) + 4095) / 4096;
+    if (splits < by_chunk) splits = by_chunk;
     if (splits < 1) splits = 1;
-    if (splits > 64) splits = 64;
+    if (splits > 128) splits = 128;  // the merge kernel combines at most 128 splits
     // Never more splits than the capacity can feed.
-    plan.min_split_keys = 256;
+    plan.min_split_keys = 64;
     const int64_t by_capacity = (static_cast<int64_t>(p.capacity) + plan.min_split_keys - 1) / plan.min_split_keys;
     if (splits > by_capacity) splits = by_capacity < 1 ? 1 : by_capacity;
     plan.max_splits = static_cast<int32_t>(splits);

@@ -1,0 +1,188 @@
+"""Prefill benchmark (BENCHMARKS.md): gqa_torch against SDPA flash, SDPA cuDNN and FlexAttention.
+
+Causal GQA prefill, bf16, Hq/Hkv = 32/8, timed with CUDA-graph replays over rotated inputs.
+- attention: our in-place op on a fresh cache (it also appends K/V) against SDPA on
+  [B, H, L, D] tensors; TFLOP/s count half of 4·B·Hq·L²·D, and % of a bf16 GEMM measured now;
+- whole op: packed QKV + RoPE + append + attention in one call, against RoPE + cache write +
+  SDPA cuDNN;
+- ragged: batched chunked prefill on top of ragged pasts, against SDPA with a padding mask.
+Writes benchmarks/results/prefill*.{json,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import gqa_torch
+from common import bar_plot, progress, sets_for_bytes, time_graph, write_tables
+
+GRID = [(8, 1024, 128), (2, 4096, 128), (1, 16384, 128), (2, 4096, 64), (2, 4096, 256)]  # B, L, D
+HQ, HKV = 32, 8
+DTYPE = torch.bfloat16
+
+
+def gemm_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    out = torch.empty(8192, 8192, device="cuda", dtype=DTYPE)
+    us = time_graph(lambda _: torch.matmul(a, b, out=out), 1, calls_per_replay=10, replays=5)
+    return 2 * 8192**3 / (us * 1e-6) / 1e12
+
+
+def causal_flops(b, length, d, hq=HQ):
+    return 4 * b * hq * length * length * d / 2
+
+
+def sdpa_time(backend, qs, ks, vs, causal=True, mask=None):
+    def step(i):
+        with sdpa_kernel([backend]):
+            F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=mask, is_causal=causal and mask is None,
+                                           enable_gqa=True)
+
+    try:
+        return time_graph(step, len(qs))
+    except Exception as exc:
+        progress(f"    {backend.name}: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
+        return float("nan")
+
+
+def flex_time(qs, ks, vs):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        length = qs[0].shape[2]
+        mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, length, length, device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+        return time_graph(lambda i: flex(qs[i], ks[i], vs[i], block_mask=mask, enable_gqa=True), len(qs))
+    except Exception as exc:
+        progress(f"    flex: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
+        return float("nan")
+
+
+def rope_half(x, cos, sin):
+    half = x.shape[-1] // 2
+    x0, x1 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).to(x.dtype)
+
+
+def attention_rows(args, ceiling):
+    rows = []
+    for b, length, d in GRID:
+        per_set = b * length * (HQ + 2 * HKV) * d * 2 * 2
+        n = sets_for_bytes(per_set, cap=8)
+        progress(f"prefill B={b} L={length} D={d}: {n} input sets")
+        qkv = [torch.randn(b, length, (HQ + 2 * HKV) * d, device="cuda", dtype=DTYPE) for _ in range(n)]
+        caches = [(torch.empty(b, HKV, length, d, device="cuda", dtype=DTYPE),
+                   torch.empty(b, HKV, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
+        seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+        cos = torch.rand(length, d // 2, device="cuda")
+        sin = torch.rand(length, d // 2, device="cuda")
+
+        def ours(i):
+            q, k, v = qkv[i].split([HQ * d, HKV * d, HKV * d], -1)
+            gqa_torch.group_query_attention_(q, k, v, caches[i][0], caches[i][1], seqlens,
+                                             num_heads=HQ, kv_num_heads=HKV)
+
+        def ours_whole(i):
+            gqa_torch.group_query_attention_(qkv[i], None, None, caches[i][0], caches[i][1], seqlens, cos, sin,
+                                             num_heads=HQ, kv_num_heads=HKV, do_rotary=True)
+
+        t_ours = time_graph(ours, n)
+        t_whole = time_graph(ours_whole, n)
+        split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
+        qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
+        ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        t_flash = sdpa_time(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
+        t_cudnn = sdpa_time(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
+        t_flex = flex_time(qs, ks, vs) if args.flex else float("nan")
+        positions = torch.arange(length, device="cuda")
+
+        def unfused_whole(i):
+            q = rope_half(qs[i], cos[positions], sin[positions])
+            k = rope_half(ks[i], cos[positions], sin[positions])
+            caches[i][0].copy_(k)
+            caches[i][1].copy_(vs[i])
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                F.scaled_dot_product_attention(q, caches[i][0], caches[i][1], is_causal=True, enable_gqa=True)
+
+        try:
+            t_unfused = time_graph(unfused_whole, n)
+        except Exception as exc:
+            progress(f"    unfused cuDNN step unavailable: {exc}")
+            t_unfused = float("nan")
+        flops = causal_flops(b, length, d)
+        tf = lambda t: flops / (t * 1e-6) / 1e12  # noqa: E731
+        row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours), flash_TFLOPs=tf(t_flash),
+                   cudnn_TFLOPs=tf(t_cudnn), flex_TFLOPs=tf(t_flex), vs_flash=t_flash / t_ours,
+                   vs_cudnn=t_cudnn / t_ours, pct_of_gemm=100 * tf(t_ours) / ceiling,
+                   whole_op_us=t_whole, rope_write_cudnn_us=t_unfused, whole_vs_unfused=t_unfused / t_whole)
+        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s | flash {row['flash_TFLOPs']:.0f} | cudnn "
+                 f"{row['cudnn_TFLOPs']:.0f} | flex {row['flex_TFLOPs']:.0f} | whole {t_whole:.0f} us vs "
+                 f"RoPE+write+cuDNN {t_unfused:.0f} us")
+        rows.append(row)
+        del qkv, caches, qs, ks, vs, split
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ragged_row():
+    b, chunk, capacity, d = 4, 2048, 8192, 128
+    pasts = torch.tensor([0, 1500, 3000, 6000])
+    totals = pasts + chunk
+    progress(f"ragged chunked prefill B={b} chunk={chunk} pasts={pasts.tolist()}")
+    n = 2
+    qkv = [torch.randn(b, chunk, (HQ + 2 * HKV) * d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    kc = [torch.randn(b, HKV, capacity, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    vc = [torch.randn(b, HKV, capacity, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    seqlens = (totals - 1).to(torch.int32).cuda()
+
+    def ours(i):
+        gqa_torch.group_query_attention_(qkv[i], None, None, kc[i], vc[i], seqlens, num_heads=HQ, kv_num_heads=HKV)
+
+    t_ours = time_graph(ours, n)
+    qpos = pasts[:, None] + torch.arange(chunk)[None]
+    keys = torch.arange(capacity)
+    mask = ((keys[None, None, :] <= qpos[:, :, None]) & (keys[None, None, :] < totals[:, None, None]))
+    mask = mask[:, None].cuda()
+    qs = [x[..., :HQ * d].view(b, chunk, HQ, d).transpose(1, 2) for x in qkv]
+    t_cudnn = sdpa_time(SDPBackend.CUDNN_ATTENTION, qs, kc, vc, causal=False, mask=mask)
+    t_eff = sdpa_time(SDPBackend.EFFICIENT_ATTENTION, qs, kc, vc, causal=False, mask=mask)
+    flops = sum(4 * HQ * d * (chunk * int(p) + chunk * (chunk + 1) / 2) for p in pasts)
+    best = min(t for t in (t_cudnn, t_eff) if t == t) if (t_cudnn == t_cudnn or t_eff == t_eff) else float("nan")
+    row = dict(B=b, chunk=chunk, pasts=str(pasts.tolist()), ours_us=t_ours, ours_TFLOPs=flops / t_ours / 1e6,
+               sdpa_cudnn_mask_us=t_cudnn, sdpa_efficient_mask_us=t_eff, speedup_vs_best=best / t_ours)
+    progress(f"    ours {t_ours:.0f} us | cudnn+mask {t_cudnn:.0f} | efficient+mask {t_eff:.0f}")
+    return [row]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles; slow)")
+    args = parser.parse_args()
+    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
+    torch.manual_seed(0)
+    progress("measuring the bf16 GEMM ceiling (8192^3)")
+    ceiling = gemm_tflops()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16", heads="32/8",
+                gemm_TFLOPs=round(ceiling, 1), timing="median of CUDA-graph replays, inputs rotated beyond L2")
+    progress(f"  {ceiling:.0f} TFLOP/s")
+    rows = attention_rows(args, ceiling)
+    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", "flash_TFLOPs", "cudnn_TFLOPs", "flex_TFLOPs", "vs_flash",
+            "vs_cudnn", "pct_of_gemm", "whole_op_us", "rope_write_cudnn_us", "whole_vs_unfused"]
+    text = write_tables("prefill", meta, rows, cols, "Causal prefill, bf16, 32/8 heads")
+    bar_plot("prefill", [f"B{r['B']} L{r['L']} D{r['D']}" for r in rows],
+             {"gqa_torch": [r["ours_TFLOPs"] for r in rows], "SDPA flash": [r["flash_TFLOPs"] for r in rows],
+              "SDPA cuDNN": [r["cudnn_TFLOPs"] for r in rows]}, "TFLOP/s (higher is better)", "Prefill, H200")
+    ragged = ragged_row()
+    text += write_tables("prefill_ragged", meta, ragged,
+                         ["B", "chunk", "pasts", "ours_us", "ours_TFLOPs", "sdpa_cudnn_mask_us",
+                          "sdpa_efficient_mask_us", "speedup_vs_best"], "Ragged batched chunked prefill")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+// Shared pieces of the CUDA kernels: dtype conversion, the error word, RoPE on one head row,
+// tensor-core fragments (ldmatrix / mma.sync m16n8k16), cp.async, programmatic dependent
+// launch, and the host-side launch helper. No torch here.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "../core/errors.h"
+#include "../core/params.h"
+#include "../core/plan.h"
+
+namespace gqa {
+namespace cuda {
+namespace detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Split-K scratch (plan.workspace): partial outputs normalised by their own sum, and their
+// log2-sum-exp. Null when the plan has one split.
+struct Work {
+  float* partial_out = nullptr;  // [B, Hq, max_splits, D]
+  float* partial_lse = nullptr;  // [B, Hq, max_splits], log2 domain
+  int32_t max_splits = 1;
+  int32_t min_split_keys = 1;
+};
+
+// ------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------
+
+[[noreturn]] inline void throw_cuda(cudaError_t e, const char* what) {
+  throw std::runtime_error(std::string("gqa: CUDA launch of ") + what + " failed: " + cudaGetErrorString(e));
+}
+
+// Programmatic dependent launch lets a kernel's launch overlap the tail of the one before it;
+// every kernel here waits (griddepcontrol.wait) before touching global memory, so it is safe
+// after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
+bool pdl_enabled();
+
+template <typename... KArgs, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw_cuda(e, name);
+  }
+  e = cudaGetLastError();
+  if (e != cudaSuccess) throw_cuda(e, name);
+}
+
+// Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is
+// per function; the cache keeps the per-call host cost at one cudaGetDevice).
+template <auto Kernel>
+void ensure_smem(size_t bytes, const char* name) {
+  if (bytes <= 48 * 1024) return;
+  static std::atomic<size_t> done[64];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && done[dev].load(std::memory_order_relaxed) >= bytes) return;
+  cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw_cuda(e, name);
+  }
+  if (dev >= 0 && dev < 64) done[dev].store(bytes, std::memory_order_relaxed);
+}
+
+// ------------------------------------------------------------------------------------------
+// Device side
+// ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+// Coherent read of the sticky error word (never cached in L1).
+__device__ __forceinline__ uint32_t read_error_word(const uint32_t* w) {
+  return *reinterpret_cast<const volatile uint32_t*>(w);
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Visible keys [lo, hi) of a query at position `pos` in a row of `total` keys.
+struct KeyRange {
+  int32_t lo, hi;
+};
+__device__ __forceinline__ KeyRange visible_keys(const Params& p, int32_t total, int32_t pos) {
+  KeyRange r;
+  r.hi = min(total, pos + 1);
+  r.lo = p.local_window > 0 ? max(0, pos - p.local_window + 1) : 0;
+  if (r.hi < r.lo) r.hi = r.lo;
+  return r;
+}
+
+// Multiplier that turns an unnormalised accumulator (relative to running max `m`, log2 units,
+// with sum `l`) into the output: adds the head sink and the smooth-softmax zero logit to the
+// denominator without overflow. Returns 0 when nothing is visible.
+__device__ __forceinline__ float final_factor(const Params& p, int h, float m, float l) {
+  float mx = m;
+  float sink = -INFINITY;
+  if (p.head_sink != nullptr) sink = p.head_sink[h] * kLog2e;
+  mx = fmaxf(mx, sink);
+  if (p.smooth_softmax) mx = fmaxf(mx, 0.f);
+  if (mx == -INFINITY) return 0.f;
+  const float s1 = (m == -INFINITY) ? 0.f : exp2f(m - mx);
+  float den = l * s1;
+  if (p.head_sink != nullptr) den += exp2f(sink - mx);
+  if (p.smooth_softmax) den += exp2f(-mx);
+  return (l > 0.f && den > 0.f) ? s1 / den : 0.f;
+}
+
+// cos/sin of rotary pair i at position pos, in fp32, whatever dtype the cache holds.
+__device__ __forceinline__ void rotary_cos_sin(const Params& p, int64_t pos, int i, float& c, float& s) {
+  const int64_t idx = pos * (p.rotary_dim / 2) + i;
+  switch (p.rotary_dtype) {
+    case DType::kFloat32:
+      c = static_cast<const float*>(p.cos_cache)[idx];
+      s = static_cast<const float*>(p.sin_cache)[idx];
+      break;
+    case DType::kFloat16:
+      c = to_f(static_cast<const __half*>(p.cos_cache)[idx]);
+      s = to_f(static_cast<const __half*>(p.sin_cache)[idx]);
+      break;
+    default:
+      c = to_f(static_cast<const __nv_bfloat16*>(p.cos_cache)[idx]);
+      s = to_f(static_cast<const __nv_bfloat16*>(p.sin_cache)[idx]);
+      break;
+  }
+}
+
+// One head row of D values from `src`, with RoPE at `pos` when `rotate` (fp32 math, one
+// rounding to T), handed to dst(d, value_as_T). Work is split over `nlanes` cooperating
+// threads; `lane` is this thread's index among them. Dims >= R are copied unchanged.
+template <typename T, typename Dst>
+__device__ __forceinline__ void rope_row(const Params& p, const T* src, bool rotate, int64_t pos, int lane,
+                                         int nlanes, Dst&& dst) {
+  const int D = p.head_dim;
+  const int half = rotate ? p.rotary_dim / 2 : 0;
+  const int units = D - half;
+  for (int u = lane; u < units; u += nlanes) {
+    if (u < half) {
+      const int d0 = p.rotary_interleaved ? 2 * u : u;
+      const int d1 = p.rotary_interleaved ? 2 * u + 1 : u + half;
+      const float x0 = to_f(src[d0]);
+      const float x1 = to_f(src[d1]);
+      float c, s;
+      rotary_cos_sin(p, pos, u, c, s);
+      // Explicit roundings (no FMA contraction), so fp32 matches the CPU backend bit for bit.
+      dst(d0, from_f<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s))));
+      dst(d1, from_f<T>(__fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c))));
+    } else {
+      const int d = 2 * half + (u - half);
+      dst(d, src[d]);
+    }
+  }
+}
+
+// ---- tensor cores ------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_ptr) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_ptr) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// 16-byte global->shared copy; when !pred the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async16(void* smem_ptr, const void* gmem_ptr, bool pred) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace gqa

@@ -1,0 +1,390 @@
+// Decode (S == 1) on tensor cores, fp16/bf16, head sizes 64/80/96/128/256.
+//
+// Grid (split, kv head x head chunk, row). One CTA serves up to 16 query heads of one kv head
+// (all G of them when G <= 16), so each K/V byte is read from memory once. The CTA takes keys
+// [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
+// row's length), streams them through a cp.async pipeline of kStages tiles, and each warp
+// multiplies its 16 keys of a tile with mma.sync m16n8k16:
+//   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
+// with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
+// shared memory at the end; a CTA either writes the output (one split) or its normalised
+// partial output and log-sum-exp for the merge kernel.
+//
+// `fused` (in-place op): no prep launch ran. Every CTA checks all rows itself (so a bad row
+// anywhere makes the whole call NaN, as the error word would), the CTA whose range holds the
+// new key writes the new K (after RoPE) and V into the cache and feeds the same values to its
+// own tile, since nothing in this launch may read that cache row.
+#pragma once
+
+#include "common.cuh"
+
+namespace gqa {
+namespace cuda {
+namespace detail {
+
+// Four warps and 64-key stages (two warps and 32-key stages for D = 256). A variant with two
+// warps, 32-key stages and 6-8 stages was measured slower on every decode row (H200).
+template <int D>
+struct DecodeCfg {
+  static constexpr int kWarps = D >= 256 ? 2 : 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kTile = 16 * kWarps;  // keys per pipeline stage: 16 per warp
+  static constexpr int kStride = D + 8;  // smem row pitch in elements: +16 B makes ldmatrix conflict-free
+  static constexpr size_t kStageBytes = 2 * kTile * kStride * 2;  // K and V
+  // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
+  static constexpr int kStages = D <= 64 ? 5 : (D <= 96 ? 4 : 3);
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr bool kQInRegs = D <= 128;
+  static constexpr size_t kQBytes = 16 * kStride * 2;
+  static constexpr size_t kNewBytes = 2 * D * 2;
+  static constexpr size_t kSmem = kQBytes + kStages * kStageBytes + kNewBytes;
+  static_assert(D % 16 == 0, "tensor-core decode needs D % 16 == 0");
+  static_assert(kStages >= 3, "pipeline depth");
+  static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "combine buffer must fit in the stages");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
+    decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused) {
+  using Cfg = DecodeCfg<D>;
+  constexpr int kStride = Cfg::kStride;
+  constexpr int kTile = Cfg::kTile;
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ __align__(16) uint8_t smem[];
+  T* q_s = reinterpret_cast<T*>(smem);
+  T* kv_s = reinterpret_cast<T*>(smem + Cfg::kQBytes);
+  T* new_s = reinterpret_cast<T*>(smem + Cfg::kQBytes + kStages * Cfg::kStageBytes);
+  __shared__ float red_m[Cfg::kWarps][16];
+  __shared__ float red_l[Cfg::kWarps][16];
+  __shared__ float fin_m[16];
+  __shared__ float fin_l[16];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int split = blockIdx.x;
+  const int G = p.group_size;
+  const int hchunks = (G + 15) >> 4;
+  const int kvh = blockIdx.y / hchunks;
+  const int hc = blockIdx.y - kvh * hchunks;
+  const int b = blockIdx.z;
+  const int h0 = kvh * G + hc * 16;
+  const int nh = min(16, G - hc * 16);
+  const TokenStrides os = p.output_strides;
+  T* out_row = static_cast<T*>(p.output) + b * os.batch;
+
+  pdl_wait();
+  pdl_launch_dependents();
+
+  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
+  uint32_t bad = g.flags;
+  if (tid == 0) bad |= read_error_word(p.error_word);
+  if (fused) {
+    for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
+      const RowGeometry gb = row_geometry(p, p.seqlens_k[bb]);
+      uint32_t f = gb.flags;
+      if (f == 0 && p.do_rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
+      if (f != 0) {
+        bad |= f;
+        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
+      }
+    }
+  }
+  if (__syncthreads_or(bad != 0)) {
+    if (split == 0) {
+      for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+        const int r = i / D;
+        out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+      }
+    }
+    return;
+  }
+
+  // The one query token sits at position query_start; it sees [lo, hi).
+  const KeyRange vis = visible_keys(p, g.total, g.query_start);
+  const int n = vis.hi - vis.lo;
+  const int active = active_splits(n, w.max_splits, w.min_split_keys);
+  if (split >= active) return;
+  const int chunk = (n + active - 1) / active;
+  const int k0 = vis.lo + split * chunk;
+  const int k1 = min(vis.hi, k0 + chunk);
+  const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+  if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
+    for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+      const int r = i / D;
+      const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
+      w.partial_out[slot * D + (i - r * D)] = 0.f;
+      if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
+    }
+    return;
+  }
+
+  const TokenStrides cs = p.cache_strides;
+  const T* kbase = static_cast<const T*>(p.key_cache) + b * cs.batch + kvh * cs.head;
+  const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
+  const int ntiles = (k1 - k0 + kTile - 1) / kTile;
+
+  auto load_tile = [&](int tile, int stage) {
+    T* ks = kv_s + stage * 2 * kTile * kStride;
+    T* vs = ks + kTile * kStride;
+    const int t0 = k0 + tile * kTile;
+    for (int i = tid; i < kTile * Cfg::kChunks; i += Cfg::kThreads) {
+      const int r = i / Cfg::kChunks;
+      const int c = i - r * Cfg::kChunks;
+      const int j = t0 + r;
+      const bool ok = j < k1;
+      const int64_t off = static_cast<int64_t>(ok ? j : k0) * cs.token + c * 8;
+      cp_async16(ks + r * kStride + c * 8, kbase + off, ok);
+      cp_async16(vs + r * kStride + c * 8, vbase + off, ok);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ntiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  // Q rows (RoPE'd, rounded to T) while the first tiles are in flight; rows >= nh are zero.
+  const int64_t rot_pos = p.do_rotary ? rotary_position(p, g, b, 0) : 0;
+  {
+    const TokenStrides qs = p.query_strides;
+    const T* qsrc = static_cast<const T*>(p.query) + b * qs.batch;
+    for (int r = warp; r < 16; r += Cfg::kWarps) {
+      T* dst = q_s + r * kStride;
+      if (r < nh) {
+        rope_row<T>(p, qsrc + (h0 + r) * qs.head, p.do_rotary, rot_pos, lane, 32, [&](int d, T v) { dst[d] = v; });
+      } else {
+        for (int d = lane; d < D; d += 32) dst[d] = from_f<T>(0.f);
+      }
+    }
+  }
+  // The new key of this row (fused mode): the CTA whose range holds it computes it once.
+  const bool owner = fused && g.past >= k0 && g.past < k1;
+  if (owner) {
+    const TokenStrides ks = p.key_strides;
+    const TokenStrides vs = p.value_strides;
+    const T* ksrc = static_cast<const T*>(p.key) + b * ks.batch + kvh * ks.head;
+    const T* vsrc = static_cast<const T*>(p.value) + b * vs.batch + kvh * vs.head;
+    const int64_t coff = b * cs.batch + static_cast<int64_t>(g.past) * cs.token + kvh * cs.head;
+    T* kdst = static_cast<T*>(p.key_cache) + coff;
+    T* vdst = static_cast<T*>(p.value_cache) + coff;
+    const bool write_cache = hc == 0;
+    rope_row<T>(p, ksrc, p.do_rotary, rot_pos, tid, Cfg::kThreads, [&](int d, T v) {
+      new_s[d] = v;
+      if (write_cache) kdst[d] = v;
+    });
+    for (int d = tid; d < D; d += Cfg::kThreads) {
+      const T v = vsrc[d];
+      new_s[D + d] = v;
+      if (write_cache) vdst[d] = v;
+    }
+  }
+  __syncthreads();
+
+  uint32_t qa[Cfg::kQInRegs ? D / 16 : 1][4];
+  if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[kk], q_s + (lane & 15) * kStride + kk * 16 + (lane >> 4) * 8);
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_r[2] = {-INFINITY, -INFINITY};
+  float l_r[2] = {0.f, 0.f};
+  const float scale_l2 = p.scale * kLog2e;
+  const float softcap = p.softcap;
+  const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+  const int kw = warp * 16;  // this warp's keys within a tile
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    {
+      const int nt = tile + kStages - 1;
+      if (nt < ntiles) load_tile(nt, nt % kStages);
+      cp_async_commit();
+    }
+    const int stage = tile % kStages;
+    T* ks = kv_s + stage * 2 * kTile * kStride;
+    T* vs = ks + kTile * kStride;
+    const int t0 = k0 + tile * kTile;
+    if (owner && g.past >= t0 && g.past < t0 + kTile) {
+      const int r = g.past - t0;
+      for (int d = tid; d < D; d += Cfg::kThreads) {
+        ks[r * kStride + d] = new_s[d];
+        vs[r * kStride + d] = new_s[D + d];
+      }
+      __syncthreads();
+    }
+    if (t0 + kw >= k1) continue;  // this warp's keys are all past the end
+
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      if constexpr (Cfg::kQInRegs) {
+        a[0] = qa[kk][0]; a[1] = qa[kk][1]; a[2] = qa[kk][2]; a[3] = qa[kk][3];
+      } else {
+        ldmatrix_x4(a, q_s + (lane & 15) * kStride + kk * 16 + (lane >> 4) * 8);
+      }
+      uint32_t bk[4];
+      ldmatrix_x4(bk, ks + (kw + (lane >> 4) * 8 + (lane & 7)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+      mma16816<T>(sc[0], a, bk[0], bk[1]);
+      mma16816<T>(sc[1], a, bk[2], bk[3]);
+    }
+
+    // Scores -> log2 domain, masked past k1; per-row (head) max over this warp's 16 keys.
+    const bool need_mask = t0 + kw + 16 > k1;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = sc[nn][e];
+        if (softcap > 0.f) {
+          x = softcap * tanhf(x * p.scale * inv_cap) * kLog2e;
+        } else {
+          x *= scale_l2;
+        }
+        if (need_mask) {
+          const int j = t0 + kw + nn * 8 + 2 * (lane & 3) + (e & 1);
+          if (j >= k1) x = -INFINITY;
+        }
+        sc[nn][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float mu[2], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float mn = fmaxf(m_r[r], mx[r]);
+      mu[r] = mn == -INFINITY ? 0.f : mn;
+      corr[r] = exp2f(m_r[r] - mu[r]);
+      m_r[r] = mn;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f(sc[nn][e] - mu[e >> 1]);
+        sc[nn][e] = pe;
+        rs[e >> 1] += pe;
+      }
+    }
+    l_r[0] = l_r[0] * corr[0] + rs[0];
+    l_r[1] = l_r[1] * corr[1] + rs[1];
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        o[i][0] *= corr[0];
+        o[i][1] *= corr[0];
+        o[i][2] *= corr[1];
+        o[i][3] *= corr[1];
+      }
+    }
+    uint32_t pa[4];
+    pa[0] = pack2<T>(sc[0][0], sc[0][1]);
+    pa[1] = pack2<T>(sc[0][2], sc[0][3]);
+    pa[2] = pack2<T>(sc[1][0], sc[1][1]);
+    pa[3] = pack2<T>(sc[1][2], sc[1][3]);
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, vs + (kw + ((lane >> 3) & 1) * 8 + (lane & 7)) * kStride + dn * 16 + (lane >> 4) * 8);
+      mma16816<T>(o[2 * dn], pa, bv[0], bv[1]);
+      mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps' states ---------------------------------------------------------
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+  }
+  const int gr = lane >> 2;
+  if ((lane & 3) == 0) {
+    red_m[warp][gr] = m_r[0];
+    red_m[warp][gr + 8] = m_r[1];
+    red_l[warp][gr] = l_r[0];
+    red_l[warp][gr + 8] = l_r[1];
+  }
+  __syncthreads();  // all warps are done with the stages too: reuse them as the combine buffer
+  float* o_s = reinterpret_cast<float*>(kv_s);  // [kWarps][16][D]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = gr + 8 * r;
+    float M = -INFINITY;
+#pragma unroll
+    for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][row]);
+    const float f = (m_r[r] == -INFINITY) ? 0.f : exp2f(m_r[r] - M);
+    float* dst = o_s + (warp * 16 + row) * D + 2 * (lane & 3);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<float2*>(dst + i * 8) = make_float2(o[i][2 * r] * f, o[i][2 * r + 1] * f);
+    }
+  }
+  if (tid < 16) {
+    float M = -INFINITY;
+#pragma unroll
+    for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][tid]);
+    float L = 0.f;
+#pragma unroll
+    for (int ww = 0; ww < Cfg::kWarps; ++ww) {
+      const float mw = red_m[ww][tid];
+      if (mw != -INFINITY) L += red_l[ww][tid] * exp2f(mw - M);
+    }
+    fin_m[tid] = M;
+    fin_l[tid] = L;
+  }
+  __syncthreads();
+
+  for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+    const int row = i / D;
+    const int d = i - row * D;
+    float acc = 0.f;
+#pragma unroll
+    for (int ww = 0; ww < Cfg::kWarps; ++ww) acc += o_s[(ww * 16 + row) * D + d];
+    const float M = fin_m[row];
+    const float L = fin_l[row];
+    if (active == 1) {
+      out_row[(h0 + row) * os.head + d] = from_f<T>(acc * final_factor(p, h0 + row, M, L));
+    } else {
+      const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
+      w.partial_out[slot * D + d] = acc / L;
+      if (d == 0) w.partial_lse[slot] = M + log2f(L);
+    }
+  }
+}
+
+template <typename T, int D>
+void launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
+  using Cfg = DecodeCfg<D>;
+  constexpr auto kernel = decode_mma_kernel<T, D>;
+  ensure_smem<kernel>(Cfg::kSmem, "decode_mma_kernel");
+  const int hchunks = (p.group_size + 15) / 16;
+  const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
+  launch_kernel("decode_mma_kernel", kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p, w, fused ? 1 : 0);
+}
+
+template <typename T>
+void launch_decode_mma_t(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: launch_decode_mma_d<T, 64>(p, w, fused, stream); break;
+    case 80: launch_decode_mma_d<T, 80>(p, w, fused, stream); break;
+    case 96: launch_decode_mma_d<T, 96>(p, w, fused, stream); break;
+    case 128: launch_decode_mma_d<T, 128>(p, w, fused, stream); break;
+    case 256: launch_decode_mma_d<T, 256>(p, w, fused, stream); break;
+    default: throw std::runtime_error("gqa: internal error: no tensor-core decode for this head size");
+  }
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace gqa

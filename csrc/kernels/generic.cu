@@ -1,0 +1,270 @@
+// The portable attention path and the split-K merge.
+//
+// generic_attn_kernel: any dtype (fp32 included), any even head size, any alignment. One warp
+// per (query token, query head) row, CUDA cores, fp32 math. Keys go 32 at a time: each lane
+// scores one key (its own dot product over D), the warp takes the chunk's max and updates the
+// online softmax once, then every lane accumulates its own dims over the chunk's values.
+// Decode (S == 1) uses the same split-K as the tensor-core path; prefill uses one split.
+//
+// merge_kernel: one CTA per (row, query head): combines the active splits' partial outputs by
+// their log-sum-exp, with the head sink / smooth-softmax logit in the denominator.
+#include "kernels.h"
+
+namespace gqa {
+namespace cuda {
+namespace detail {
+namespace {
+
+constexpr int kGenericWarps = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kGenericWarps * 32)
+    generic_attn_kernel(const __grid_constant__ Params p, const Work w) {
+  extern __shared__ float gsm[];  // per warp: q[D], o[D]
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int D = p.head_dim;
+  const int Hq = p.q_heads;
+  const int S = p.query_len;
+  const int r = blockIdx.x * kGenericWarps + warp;
+
+  pdl_wait();
+  pdl_launch_dependents();
+  if (r >= S * Hq) return;
+  const int s = r / Hq;
+  const int h = r - s * Hq;
+  const int kvh = h / p.group_size;
+  float* q_s = gsm + warp * 2 * D;
+  float* o_s = q_s + D;
+  const TokenStrides os = p.output_strides;
+  T* out = static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(s) * os.token + h * os.head;
+
+  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
+  const uint32_t word = read_error_word(p.error_word);
+  if (word != 0 || g.flags != 0) {
+    if (split == 0)
+      for (int d = lane; d < D; d += 32) out[d] = from_f<T>(quiet_nan());
+    return;
+  }
+  if (s >= g.valid_queries) {  // first-prompt padding
+    if (split == 0)
+      for (int d = lane; d < D; d += 32) out[d] = from_f<T>(0.f);
+    return;
+  }
+  const KeyRange vis = visible_keys(p, g.total, g.query_start + s);
+  const int n = vis.hi - vis.lo;
+  const int active = S == 1 ? active_splits(n, w.max_splits, w.min_split_keys) : 1;
+  if (split >= active) return;
+  const int chunk = (n + active - 1) / active;
+  const int k0 = vis.lo + split * chunk;
+  const int k1 = min(vis.hi, k0 + chunk);
+  const int64_t slot = (static_cast<int64_t>(b) * Hq + h) * w.max_splits + split;
+  if (k0 >= k1) {
+    if (active == 1) {
+      for (int d = lane; d < D; d += 32) out[d] = from_f<T>(0.f);
+    } else {  // an empty tail split: zero weight, and finite (zero) values for the merge
+      for (int d = lane; d < D; d += 32) w.partial_out[slot * D + d] = 0.f;
+      if (lane == 0) w.partial_lse[slot] = -INFINITY;
+    }
+    return;
+  }
+
+  {
+    const TokenStrides qs = p.query_strides;
+    const T* qsrc = static_cast<const T*>(p.query) + b * qs.batch + static_cast<int64_t>(s) * qs.token + h * qs.head;
+    const int64_t pos = p.do_rotary ? rotary_position(p, g, b, s) : 0;
+    rope_row<T>(p, qsrc, p.do_rotary, pos, lane, 32, [&](int d, T v) { q_s[d] = to_f(v); });
+    for (int d = lane; d < D; d += 32) o_s[d] = 0.f;
+    __syncwarp();
+  }
+
+  const TokenStrides cs = p.cache_strides;
+  const T* kbase = static_cast<const T*>(p.key_cache) + b * cs.batch + kvh * cs.head;
+  const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
+  const float scale = p.scale;
+  const float softcap = p.softcap;
+  const int dgroups = (D + 31) / 32;
+  float m = -INFINITY;
+  float l_lane = 0.f;
+
+  for (int j0 = k0; j0 < k1; j0 += 32) {
+    const int j = j0 + lane;
+    float x = -INFINITY;
+    if (j < k1) {
+      const T* kr = kbase + static_cast<int64_t>(j) * cs.token;
+      float acc0 = 0.f, acc1 = 0.f;
+      int d = 0;
+      for (; d + 1 < D; d += 2) {
+        acc0 = fmaf(q_s[d], to_f(kr[d]), acc0);
+        acc1 = fmaf(q_s[d + 1], to_f(kr[d + 1]), acc1);
+      }
+      if (d < D) acc0 = fmaf(q_s[d], to_f(kr[d]), acc0);
+      x = (acc0 + acc1) * scale;
+      if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+      x *= kLog2e;
+    }
+    const float mn = fmaxf(m, warp_max(x));
+    const float mu = mn == -INFINITY ? 0.f : mn;
+    const float corr = exp2f(m - mu);
+    m = mn;
+    const float pj = exp2f(x - mu);
+    l_lane = l_lane * corr + pj;
+    const int cnt = min(32, k1 - j0);
+    for (int i = 0; i < dgroups; ++i) {
+      const int d = lane + 32 * i;
+      const bool live = d < D;
+      float acc = live ? o_s[d] * corr : 0.f;
+      const T* vcol = vbase + static_cast<int64_t>(j0) * cs.token + (live ? d : 0);
+      for (int k = 0; k < cnt; ++k) {
+        const float pk = __shfl_sync(0xffffffffu, pj, k);
+        if (live) acc = fmaf(pk, to_f(vcol[static_cast<int64_t>(k) * cs.token]), acc);
+      }
+      if (live) o_s[d] = acc;
+    }
+  }
+  const float l = warp_sum(l_lane);
+  __syncwarp();
+  if (active == 1) {
+    const float f = final_factor(p, h, m, l);
+    for (int d = lane; d < D; d += 32) out[d] = from_f<T>(o_s[d] * f);
+  } else {
+    const float inv = 1.f / l;
+    for (int d = lane; d < D; d += 32) w.partial_out[slot * D + d] = o_s[d] * inv;
+    if (lane == 0) w.partial_lse[slot] = m + log2f(l);
+  }
+}
+
+// One CTA of 256 threads per (row, query head); S == 1 only. One split's weight per thread
+// (at most 128 splits), then each of the 8 warps sums every 8th split over float2 pairs of
+// dims, with independent loads in flight, and the warps' sums meet in shared memory.
+constexpr int kMergeThreads = 256;
+constexpr int kMergeWarps = kMergeThreads / 32;
+
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_constant__ Params p, const Work w) {
+  extern __shared__ float macc[];  // [kMergeWarps][D]
+  __shared__ float s_w[kMergeThreads];
+  __shared__ float s_red[kMergeWarps];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int idx = blockIdx.x;
+  const int b = idx / p.q_heads;
+  const int h = idx - b * p.q_heads;
+  const int D = p.head_dim;
+  const TokenStrides os = p.output_strides;
+  T* out = static_cast<T*>(p.output) + b * os.batch + h * os.head;
+  pdl_wait();
+  pdl_launch_dependents();
+
+  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
+  if (read_error_word(p.error_word) != 0 || g.flags != 0) {
+    for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(quiet_nan());
+    return;
+  }
+  const KeyRange vis = visible_keys(p, g.total, g.query_start);
+  const int active = active_splits(vis.hi - vis.lo, w.max_splits, w.min_split_keys);
+  if (active <= 1) return;  // the attention kernel wrote this row itself
+
+  const int64_t base = static_cast<int64_t>(idx) * w.max_splits;
+  const float lse = tid < active ? w.partial_lse[base + tid] : -INFINITY;
+  float m = warp_max(lse);
+  if (lane == 0) s_red[warp] = m;
+  __syncthreads();
+  m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kMergeWarps; ++i) m = fmaxf(m, s_red[i]);
+  float sink = -INFINITY;
+  if (p.head_sink != nullptr) sink = p.head_sink[h] * kLog2e;
+  float mx = fmaxf(m, sink);
+  if (p.smooth_softmax) mx = fmaxf(mx, 0.f);
+  const float wt = lse == -INFINITY ? 0.f : exp2f(lse - mx);
+  s_w[tid] = wt;
+  const float wsum = warp_sum(wt);
+  __syncthreads();  // everyone has read s_red (the max) before it is reused for the sum
+  if (lane == 0) s_red[warp] = wsum;
+  __syncthreads();
+  float den = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMergeWarps; ++i) den += s_red[i];
+  if (p.head_sink != nullptr) den += exp2f(sink - mx);
+  if (p.smooth_softmax) den += exp2f(-mx);
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+
+  const int n2 = D / 2;
+  const float2* po = reinterpret_cast<const float2*>(w.partial_out + base * D);
+  constexpr int kBatch = 8;  // loads issued before their first use
+  for (int c = lane; c < n2; c += 32) {
+    float ax = 0.f, ay = 0.f;
+    for (int s0 = warp; s0 < active; s0 += kMergeWarps * kBatch) {
+      float2 v[kBatch];
+      float ws[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int sp = s0 + u * kMergeWarps;
+        const bool ok = sp < active;
+        ws[u] = ok ? s_w[sp] : 0.f;
+        v[u] = ok ? po[static_cast<int64_t>(sp) * n2 + c] : make_float2(0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        ax = fmaf(ws[u], v[u].x, ax);
+        ay = fmaf(ws[u], v[u].y, ay);
+      }
+    }
+    macc[warp * D + 2 * c] = ax;
+    macc[warp * D + 2 * c + 1] = ay;
+  }
+  __syncthreads();
+  for (int d = tid; d < D; d += kMergeThreads) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMergeWarps; ++i) acc += macc[i * D + d];
+    out[d] = from_f<T>(acc * inv);
+  }
+}
+
+template <typename T>
+void launch_generic_t(const Params& p, const Work& w, cudaStream_t stream) {
+  constexpr auto kernel = generic_attn_kernel<T>;
+  const size_t smem = static_cast<size_t>(kGenericWarps) * 2 * p.head_dim * sizeof(float);
+  if (smem > 200 * 1024) throw std::runtime_error("gqa: head_size too large for the CUDA kernels");
+  ensure_smem<kernel>(smem, "generic_attn_kernel");
+  const int rows = p.query_len * p.q_heads;
+  const int splits = p.query_len == 1 ? w.max_splits : 1;
+  const dim3 grid((rows + kGenericWarps - 1) / kGenericWarps, splits, p.batch);
+  launch_kernel("generic_attn_kernel", kernel, grid, dim3(kGenericWarps * 32), smem, stream, p, w);
+}
+
+template <typename T>
+void launch_merge_t(const Params& p, const Work& w, cudaStream_t stream) {
+  constexpr auto kernel = merge_kernel<T>;
+  const size_t smem = kMergeWarps * static_cast<size_t>(p.head_dim) * sizeof(float);
+  ensure_smem<kernel>(smem, "merge_kernel");
+  const int items = p.batch * p.q_heads;
+  launch_kernel("merge_kernel", kernel, dim3(items), dim3(kMergeThreads), smem, stream, p, w);
+}
+
+}  // namespace
+
+void launch_generic(const Params& p, const Work& w, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat32: launch_generic_t<float>(p, w, stream); break;
+    case DType::kFloat16: launch_generic_t<__half>(p, w, stream); break;
+    default: launch_generic_t<__nv_bfloat16>(p, w, stream); break;
+  }
+}
+
+void launch_merge(const Params& p, const Work& w, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat32: launch_merge_t<float>(p, w, stream); break;
+    case DType::kFloat16: launch_merge_t<__half>(p, w, stream); break;
+    default: launch_merge_t<__nv_bfloat16>(p, w, stream); break;
+  }
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace gqa

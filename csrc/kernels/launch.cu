@@ -1,0 +1,91 @@
+// gqa::cuda::launch: picks the kernels for one call and enqueues them.
+//
+//   decode, in-place, tensor-core eligible:  decode_mma(fused)          [+ merge]
+//   decode, otherwise:                       prep -> decode_mma|generic [+ merge]
+//   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu)|generic
+//
+// Tensor-core eligible: fp16/bf16, D in {64, 80, 96, 128, 256}, and a cache whose rows are
+// 16-byte aligned (cp.async). Everything else takes the generic CUDA-core kernel.
+#include "launch.h"
+
+#include "kernels.h"
+#include "prefill_mma.h"
+
+namespace gqa {
+namespace cuda {
+
+namespace {
+
+bool cache_rows_aligned16(const Params& p) {
+  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
+  const int64_t per = 16 / dtype_size(p.dtype);
+  const TokenStrides& s = p.cache_strides;
+  return aligned(p.key_cache) && aligned(p.value_cache) && s.batch % per == 0 && s.token % per == 0 &&
+         s.head % per == 0;
+}
+
+// Tuning knob for experiments only (read once): GQA_DECODE_MIN_SPLIT_KEYS overrides the
+// plan's smallest split. The plan's max_splits still bounds the splits (the workspace).
+int32_t min_split_keys_override() {
+  static const int32_t v = [] {
+    const char* e = std::getenv("GQA_DECODE_MIN_SPLIT_KEYS");
+    return e != nullptr ? static_cast<int32_t>(std::atoi(e)) : 0;
+  }();
+  return v;
+}
+
+bool tensor_core_path(const Params& p) {
+  return p.dtype != DType::kFloat32 && detail::is_fast_head_dim(p.head_dim) && cache_rows_aligned16(p);
+}
+
+}  // namespace
+
+void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr) {
+  if (p.batch <= 0 || p.query_len <= 0 || p.q_heads <= 0) return;
+  if (p.batch > 65535) throw std::runtime_error("gqa: the CUDA kernels support at most 65535 batch rows");
+  if (p.error_word == nullptr) throw std::runtime_error("gqa: internal error: no error word");
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  char* ws = static_cast<char*>(workspace);
+
+  detail::Work w;
+  w.max_splits = plan.route == Route::kDecode ? plan.max_splits : 1;
+  w.min_split_keys = plan.min_split_keys > 0 ? plan.min_split_keys : 1;
+  if (min_split_keys_override() > 0) w.min_split_keys = min_split_keys_override();
+  if (w.max_splits > 128) throw std::runtime_error("gqa: internal error: at most 128 decode splits are supported");
+  if (w.max_splits > 1) {
+    w.partial_out = reinterpret_cast<float*>(ws + plan.workspace.partial_out);
+    w.partial_lse = reinterpret_cast<float*>(ws + plan.workspace.partial_lse);
+  }
+  const bool tc = tensor_core_path(p);
+
+  if (plan.route == Route::kDecode) {
+    const bool fused = tc && p.inplace;
+    if (!fused) detail::launch_prep(p, /*check_positions=*/true, stream);
+    if (tc) {
+      if (p.dtype == DType::kBFloat16) {
+        detail::launch_decode_mma_bf16(p, w, fused, stream);
+      } else {
+        detail::launch_decode_mma_fp16(p, w, fused, stream);
+      }
+    } else {
+      detail::launch_generic(p, w, stream);
+    }
+    if (w.max_splits > 1) detail::launch_merge(p, w, stream);
+    return;
+  }
+
+  // Prefill. Every prep CTA checks every row (so a bad row anywhere stops all cache writes);
+  // with many explicit positions they are checked once, per row, in a small launch before it.
+  const bool separate_check =
+      p.do_rotary && p.position_ids != nullptr && static_cast<int64_t>(p.batch) * p.query_len > 2048;
+  if (separate_check) detail::launch_validate_rows(p, stream);
+  detail::launch_prep(p, !separate_check, stream);
+  // The tensor-core kernel reads q in place (packed or not) and rotates it on load; it
+  // declines fp32, unsupported head sizes and misaligned rows, which take the generic kernel.
+  if (launch_prefill_mma(p, p.query, p.query_strides, p.do_rotary, stream)) return;
+  detail::Work w1;
+  detail::launch_generic(p, w1, stream);
+}
+
+}  // namespace cuda
+}  // namespace gqa

@@ -1,0 +1,851 @@
+// Tensor-core flash-attention prefill, FlashAttention-2 style, for fp16/bf16 on sm80+.
+//
+// Shape of the work
+// - Virtual rows: the G query heads of one KV head are packed into the M dimension, row
+//   r = s*G + g (token s, head kvh*G + g). A CTA owns BM consecutive virtual rows of one
+//   (batch row, KV head), so every K/V tile it streams serves all G heads, and a tile spans
+//   only BM/G positions, which keeps the masked band along the diagonal narrow.
+// - Each warp owns 16*MT rows. S = Q K^T and O += P V use mma.sync.m16n8k16 with fp32
+//   accumulators; P never leaves registers (the S accumulator layout is the A-operand layout).
+// - K/V stages of BN*SUB keys go through kStages shared-memory buffers filled by cp.async
+//   (16-byte chunks, zero-filled past the row's total), one __syncthreads per stage; each warp
+//   works through a stage in BN-key sub-tiles. Rows of D halves are
+//   stored with an XOR swizzle (16-byte chunk c of row r sits at c ^ (r & 7)), so ldmatrix and
+//   the cp.async writes are free of bank conflicts without padding.
+// - Tiles are visited from the last one down, and only tiles that some row of the CTA can see
+//   are touched: causal tiles beyond the diagonal and, with a local window, tiles left of the
+//   window are skipped, not masked; only the tiles that straddle a boundary are masked.
+// - Online softmax in the log2 domain with a lazy rescale: a row's exponent base moves only when
+//   its max grows by more than kRescaleThreshold (log2 units), so most tiles skip the O rescale;
+//   P stays <= 2^8, well inside the fp16/bf16 range.
+// - Optional (Config::kPipe, not used by the shipped configs: no gain measured on an H200):
+//   S of tile t+1 is issued before P V of tile t so the softmax overlaps the MMAs.
+// - CTAs are ordered heaviest query block first (causal work grows with the block index).
+//
+// Semantics are SPEC §3 per batch row: ragged total / query_start per row (batched chunked
+// prefill and first-prompt padding in one launch), softcap, local window, head sink, smooth
+// softmax, RoPE on q (rounded to the storage dtype, as the CPU backend does). A row whose
+// geometry is invalid, or any row when the sticky error word is set, gets NaN outputs.
+#include "prefill_mma.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../core/errors.h"
+
+namespace gqa {
+namespace cuda {
+namespace pmma {
+
+constexpr float kLog2e = 1.4426950408889634f;
+// A row's exponent base is moved only when its running max grows by more than this many
+// log2 units; until then P may reach 2^kRescaleThreshold (harmless in fp32 / fp16 / bf16).
+constexpr float kRescaleThreshold = 8.f;
+
+// D: head size the tiles are laid out for (64/128/256; smaller real sizes are zero padded).
+// WARPS warps of 16*MT rows each; BN keys per K/V tile; STAGES shared-memory stages;
+// QREGS: Q fragments live in registers for the whole loop (else re-read from shared memory);
+// MINB: min CTAs per SM for the register allocator; PIPE: software-pipelined tile order;
+// SUB: BN-key sub-tiles per stage (one barrier per BN*SUB keys, registers sized by BN).
+template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1>
+struct Config {
+  static constexpr int D = D_;
+  static constexpr int kWarps = WARPS_;
+  static constexpr int MT = MT_;
+  static constexpr int BN = BN_;
+  static constexpr int kStages = STAGES_;
+  static constexpr bool kQRegs = QREGS_;
+  static constexpr int kMinBlocks = MINB_;
+  static constexpr bool kPipe = PIPE_;  // S of tile t+1 issued before P V of tile t
+  static constexpr int kSub = SUB_;     // BN-key sub-tiles per shared-memory stage
+  static constexpr int kStageKeys = BN_ * SUB_;
+  static constexpr int kThreads = 32 * WARPS_;
+  static constexpr int kWarpRows = 16 * MT_;
+  static constexpr int BM = kWarpRows * WARPS_;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kRowBytes = D * 2;
+  static constexpr int kQBytes = BM * kRowBytes;
+  static constexpr int kTileBytes = kStageKeys * kRowBytes;  // one stage of K (or V)
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes;
+  static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
+  static_assert(BN % 16 == 0, "BN must be a multiple of 16");
+  static_assert((kStageKeys * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
+  static_assert(!PIPE_ || SUB_ == 1, "the pipelined order works on whole stages");
+  static_assert(kStages >= 2, "at least double buffering");
+};
+
+// Everything the kernel reads, passed by value as one __grid_constant__ parameter.
+struct Args {
+  Params p;
+  const void* q;
+  TokenStrides q_strides;
+  int32_t rotate;
+  uint32_t q_sign;      // 0x80008000 when scale < 0: q is negated on load (exact), |scale| used
+  int32_t num_mblocks;  // query blocks per (batch row, KV head)
+  int32_t softcap_on;
+  float k2;             // log2-domain multiplier of the (transformed) score
+  float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(x) = 1 - 2/(2^(s*tanh_k)+1)
+};
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte global -> shared copy; bytes = 0 reads nothing and writes 16 zero bytes.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+struct Half;
+
+template <>
+struct Half<__half> {
+  static constexpr uint32_t kNaN2 = 0x7E007E00u;
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct Half<__nv_bfloat16> {
+  static constexpr uint32_t kNaN2 = 0x7FC07FC0u;
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of D-element rows.
+template <int D>
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ float load_rotary(const void* base, DType t, int64_t idx) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<const float*>(base)[idx];
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[idx]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[idx]);
+  }
+}
+
+// Writes `word2` (two halves) into every element of this warp's rows of the output.
+template <typename T, class C>
+__device__ __forceinline__ void fill_warp_rows(const Params& p, int b, int kvh, int wrow0, int nrows,
+                                               uint32_t word2, int lane) {
+  const int G = p.group_size;
+  T* const out = static_cast<T*>(p.output);
+  const uint4 v = make_uint4(word2, word2, word2, word2);
+#pragma unroll 4
+  for (int i = lane; i < C::kWarpRows * C::kChunks; i += 32) {
+    const int row = i / C::kChunks, c = i % C::kChunks;
+    const int r = wrow0 + row;
+    if (r >= nrows || c * 8 >= p.head_dim) continue;
+    const int s = r / G, h = kvh * G + (r - s * G);
+    T* dst = out + static_cast<int64_t>(b) * p.output_strides.batch +
+             static_cast<int64_t>(s) * p.output_strides.token +
+             static_cast<int64_t>(h) * p.output_strides.head + c * 8;
+    *reinterpret_cast<uint4*>(dst) = v;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------------------------
+
+// Per-warp register state and the three steps of one K/V tile: S = Q K^T, softmax -> P,
+// O += P V. Rows: thread holds rows i = 2*mt + half, virtual row wrow0 + 16*mt + lane/4 + 8*half.
+template <typename T, class C>
+struct WarpTile {
+  using H = Half<T>;
+  static constexpr int D = C::D, BN = C::BN, MT = C::MT, RB = C::kRowBytes;
+  static constexpr int NT = BN / 8;  // 8-key n-tiles per K/V tile
+  static constexpr int DT = D / 8;   // 8-wide d-tiles of the output
+  static constexpr int KS = D / 16;  // k-steps of Q K^T
+  static constexpr int NR = 2 * MT;  // rows per thread
+  static constexpr unsigned kFull = 0xffffffffu;
+
+  uint32_t qf[C::kQRegs ? MT : 1][C::kQRegs ? KS : 1][4];
+  float o[MT][DT][4];
+  float m_ref[NR], l_sum[NR];
+  int row_lo[NR], row_hi[NR];  // visible keys of each row: [row_lo, row_hi)
+  uint32_t a_lane, a_x, k_lane, k_x, v_lane;
+  int key_col;
+  float k2, tanh_k;
+
+  __device__ __forceinline__ void compute_s(float (&sc)[MT][NT][4], uint32_t k_st) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[mt][n][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (C::kQRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) af[mt][e] = qf[mt][ks][e];
+        } else {
+          ldsm_x4(a_lane + mt * 16 * RB + (((2u * ks) ^ a_x) << 4), af[mt]);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bf[4];
+        ldsm_x4(k_st + np * 16 * RB + (((2u * ks) ^ k_x) << 4), bf);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          H::mma(sc[mt][2 * np], af[mt], bf[0], bf[1]);
+          H::mma(sc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+
+  // Softcap, mask, online softmax of one tile of scores; P (packed halves) out, and the
+  // per-row factor by which O must be rescaled (returns whether any row of the warp moved).
+  template <bool kMask, bool kCap>
+  __device__ __forceinline__ bool softmax(float (&sc)[MT][NT][4], uint32_t (&pa)[MT][BN / 16][4],
+                                          int n0, float (&alpha)[NR]) {
+    if constexpr (kCap) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float ex = fast_exp2(sc[mt][n][e] * tanh_k);
+            sc[mt][n][e] = 1.f - 2.f * fast_rcp(ex + 1.f);  // tanh; the softcap factor is in k2
+          }
+    }
+    if constexpr (kMask) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = n0 + n * 8 + key_col + (e & 1);
+            const int i = mt * 2 + (e >> 1);
+            if (j < row_lo[i] || j >= row_hi[i]) sc[mt][n][e] = -INFINITY;
+          }
+    }
+    float mx[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) mx[i] = -INFINITY;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        mx[2 * mt] = fmaxf(mx[2 * mt], fmaxf(sc[mt][n][0], sc[mt][n][1]));
+        mx[2 * mt + 1] = fmaxf(mx[2 * mt + 1], fmaxf(sc[mt][n][2], sc[mt][n][3]));
+      }
+    bool grow = false;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+      grow |= (mx[i] - m_ref[i]) * k2 > kRescaleThreshold;  // false when both are -inf (NaN)
+    }
+    const bool any = __any_sync(kFull, grow);
+    float nb[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const float mn = any ? fmaxf(m_ref[i], mx[i]) : m_ref[i];
+      alpha[i] = mn == -INFINITY ? 1.f : fast_exp2((m_ref[i] - mn) * k2);
+      m_ref[i] = mn;
+      nb[i] = mn == -INFINITY ? 0.f : -mn * k2;
+    }
+    float rs[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) rs[i] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = mt * 2 + (e >> 1);
+          const float pe = fast_exp2(fmaf(sc[mt][n][e], k2, nb[i]));
+          sc[mt][n][e] = pe;
+          rs[i] += pe;
+        }
+#pragma unroll
+    for (int i = 0; i < NR; ++i) l_sum[i] = fmaf(l_sum[i], alpha[i], rs[i]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j) {
+        pa[mt][j][0] = H::pack(sc[mt][2 * j][0], sc[mt][2 * j][1]);
+        pa[mt][j][1] = H::pack(sc[mt][2 * j][2], sc[mt][2 * j][3]);
+        pa[mt][j][2] = H::pack(sc[mt][2 * j + 1][0], sc[mt][2 * j + 1][1]);
+        pa[mt][j][3] = H::pack(sc[mt][2 * j + 1][2], sc[mt][2 * j + 1][3]);
+      }
+    return any;
+  }
+
+  __device__ __forceinline__ void rescale(const float (&alpha)[NR]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        o[mt][d][0] *= alpha[2 * mt];
+        o[mt][d][1] *= alpha[2 * mt];
+        o[mt][d][2] *= alpha[2 * mt + 1];
+        o[mt][d][3] *= alpha[2 * mt + 1];
+      }
+  }
+
+  __device__ __forceinline__ void pv(const uint32_t (&pa)[MT][BN / 16][4], uint32_t v_st) {
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j)
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bf[4];
+        ldsm_x4_trans(v_st + j * 16 * RB + (((2u * dp) ^ a_x) << 4), bf);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          H::mma(o[mt][2 * dp], pa[mt][j], bf[0], bf[1]);
+          H::mma(o[mt][2 * dp + 1], pa[mt][j], bf[2], bf[3]);
+        }
+      }
+  }
+
+  // One whole tile, plain order: S, softmax, rescale, P V.
+  template <bool kMask, bool kCap>
+  __device__ __forceinline__ void tile_plain(uint32_t k_st, uint32_t v_st, int n0) {
+    float sc[MT][NT][4];
+    uint32_t pa[MT][BN / 16][4];
+    float alpha[NR];
+    compute_s(sc, k_st);
+    if (softmax<kMask, kCap>(sc, pa, n0, alpha)) rescale(alpha);
+    pv(pa, v_st);
+  }
+
+  // Pipelined order: S of the next tile is issued before P V of the current one, and the next
+  // softmax is independent of that P V, so its FP32/MUFU work interleaves with the MMAs.
+  template <bool kMask, bool kCap>
+  __device__ __forceinline__ void tile_pipe(uint32_t (&pa)[MT][BN / 16][4], uint32_t k_next, uint32_t v_cur,
+                                            int n0_next) {
+    float sc[MT][NT][4];
+    float alpha[NR];
+    compute_s(sc, k_next);
+    pv(pa, v_cur);
+    if (softmax<kMask, kCap>(sc, pa, n0_next, alpha)) rescale(alpha);
+  }
+
+  template <bool kCap>
+  __device__ __forceinline__ void first_pipe(uint32_t (&pa)[MT][BN / 16][4], uint32_t k_st, int n0,
+                                             bool mask) {
+    float sc[MT][NT][4];
+    float alpha[NR];
+    compute_s(sc, k_st);
+    if (mask)
+      softmax<true, kCap>(sc, pa, n0, alpha);
+    else
+      softmax<false, kCap>(sc, pa, n0, alpha);
+  }
+};
+
+template <typename T, class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
+    prefill_mma_kernel(const __grid_constant__ Args a) {
+  using H = Half<T>;
+  using WT = WarpTile<T, C>;
+  constexpr int D = C::D, BN = C::BN, MT = C::MT, RB = C::kRowBytes, CH = C::kChunks;
+  constexpr int NR = WT::NR, DT = WT::DT, KS = WT::KS;
+  constexpr unsigned kFull = 0xffffffffu;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ uint32_t s_error;
+
+  const Params& p = a.p;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  // Heaviest query blocks first: block index -> (query block, kv head, batch row).
+  const int per_block = p.kv_heads * p.batch;
+  const int wave = static_cast<int>(blockIdx.x) / per_block;
+  const int rem = static_cast<int>(blockIdx.x) - wave * per_block;
+  const int mblk = a.num_mblocks - 1 - wave;
+  const int kvh = rem % p.kv_heads;
+  const int b = rem / p.kv_heads;
+  const int G = p.group_size;
+  const int nrows = p.query_len * G;
+  const int m0 = mblk * C::BM;
+  const int wrow0 = m0 + warp * C::kWarpRows;
+
+  if (tid == 0)
+    s_error = p.error_word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(p.error_word) : 0u;
+  __syncthreads();
+  const RowGeometry geo = row_geometry(p, p.seqlens_k[b]);
+  if (s_error != 0u || geo.flags != 0u) {
+    fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
+    return;
+  }
+  const int valid_rows = geo.valid_queries * G;
+  if (m0 >= valid_rows) {  // first-prompt padding only
+    fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, 0u, lane);
+    return;
+  }
+
+  unsigned char* const q_smem = smem + warp * C::kWarpRows * RB;  // this warp's Q rows / staging
+  const uint32_t q_base = smem_addr(q_smem);
+  const uint32_t k_base = smem_addr(smem + C::kQBytes);
+  const uint32_t v_base = k_base + C::kStages * C::kTileBytes;
+
+  // ---- K/V tile loader (all threads): thread copies chunk ld_c of rows ld_r + k*LD_STEP ------
+  constexpr int LD_STEP = C::kThreads / CH;
+  constexpr int LD_N = C::kStageKeys * CH / C::kThreads;
+  const int ld_c = tid % CH, ld_r = tid / CH;
+  const bool ld_col_ok = ld_c * 8 < p.head_dim;
+  const int64_t kv_off = static_cast<int64_t>(b) * p.cache_strides.batch +
+                         static_cast<int64_t>(kvh) * p.cache_strides.head + ld_c * 8;
+  const T* const k_src = static_cast<const T*>(p.key_cache) + kv_off;
+  const T* const v_src = static_cast<const T*>(p.value_cache) + kv_off;
+  const int64_t tok = p.cache_strides.token;
+  const int total = geo.total;
+  auto load_tile = [&](int tile, int stage) {
+    const int n0 = tile * C::kStageKeys;
+#pragma unroll
+    for (int k = 0; k < LD_N; ++k) {
+      const int row = ld_r + k * LD_STEP;
+      const int j = n0 + row;
+      const bool ok = ld_col_ok && j < total;
+      const int64_t go = ok ? static_cast<int64_t>(j) * tok : 0;
+      const uint32_t so = static_cast<uint32_t>(stage * C::kTileBytes) + swz<D>(row, ld_c);
+      cp_async16(k_base + so, k_src + go, ok ? 16u : 0u);
+      cp_async16(v_base + so, v_src + go, ok ? 16u : 0u);
+    }
+  };
+
+  // ---- key range of this CTA -----------------------------------------------------------------
+  const int W = p.local_window;
+  const int r_last = min(m0 + C::BM, valid_rows) - 1;
+  const int pos_min = geo.query_start + m0 / G;
+  const int pos_max = geo.query_start + r_last / G;
+  const int key_lo = W > 0 ? max(0, pos_min - W + 1) : 0;
+  const int key_hi = min(total, pos_max + 1);
+  constexpr int SK = C::kStageKeys;
+  const int t_first = key_lo / SK;
+  const int t_end = (key_hi + SK - 1) / SK;
+  const int n_tiles = t_end - t_first;  // >= 1: every valid row sees its own position
+  // Stage tile `it` of the loop covers keys [n0(it), n0(it) + SK), last tile first.
+  auto tile_n0 = [&](int it) { return (t_end - 1 - it) * SK; };
+  // Whether some row of the CTA cannot see some key of the tile (causal, total, window).
+  auto needs_mask = [&](int n0) {
+    return (n0 + BN - 1 > pos_min) || (n0 + BN > total) || (W > 0 && n0 <= pos_max - W);
+  };
+
+  // Start streaming K/V before touching Q, so the copies overlap the Q load and RoPE.
+#pragma unroll
+  for (int st = 0; st < C::kStages - 1; ++st) {
+    if (st < n_tiles) load_tile(t_end - 1 - st, st);
+    cp_async_commit();
+  }
+
+  WT w;
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    const int r = wrow0 + (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
+    if (r < valid_rows) {
+      const int pos = geo.query_start + r / G;
+      w.row_hi[i] = min(pos + 1, total);
+      w.row_lo[i] = W > 0 ? pos - W + 1 : 0;
+    } else {  // padding / past the end: every key masked, the output row is discarded
+      w.row_lo[i] = 0;
+      w.row_hi[i] = 0;
+    }
+  }
+
+  // ---- Q: this warp's rows -> shared memory (zero for padding), RoPE, sign ------------------
+  {
+    const TokenStrides qs = a.q_strides;
+    const T* const qg = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * qs.batch;
+#pragma unroll 4
+    for (int i = lane; i < C::kWarpRows * CH; i += 32) {
+      const int row = i / CH, c = i % CH;
+      const int r = wrow0 + row;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (r < valid_rows && c * 8 < p.head_dim) {
+        const int s = r / G, h = kvh * G + (r - s * G);
+        v = __ldg(reinterpret_cast<const uint4*>(qg + static_cast<int64_t>(s) * qs.token +
+                                                 static_cast<int64_t>(h) * qs.head + c * 8));
+        v.x ^= a.q_sign;
+        v.y ^= a.q_sign;
+        v.z ^= a.q_sign;
+        v.w ^= a.q_sign;
+      }
+      *reinterpret_cast<uint4*>(q_smem + swz<D>(row, c)) = v;
+    }
+    __syncwarp();
+    if (a.rotate) {
+      const int half = p.rotary_dim / 2;
+      const bool inter = p.rotary_interleaved;
+      for (int i = lane; i < C::kWarpRows * half; i += 32) {
+        const int row = i / half, k = i - row * half;
+        const int r = wrow0 + row;
+        if (r >= valid_rows) continue;
+        const int s = r / G;
+        const int64_t pos = p.position_ids != nullptr
+                                ? p.position_ids[static_cast<int64_t>(b) * p.query_len + s]
+                                : static_cast<int64_t>(geo.past) + s;
+        const int d0 = inter ? 2 * k : k;
+        const int d1 = inter ? 2 * k + 1 : k + half;
+        T* const e0 = reinterpret_cast<T*>(q_smem + swz<D>(row, d0 >> 3) + (d0 & 7) * 2);
+        T* const e1 = reinterpret_cast<T*>(q_smem + swz<D>(row, d1 >> 3) + (d1 & 7) * 2);
+        const float x0 = H::to_float(*e0), x1 = H::to_float(*e1);
+        float y0, y1;
+        if (pos >= 0 && pos < p.max_positions) {
+          const int64_t ci = pos * half + k;
+          const float cs = load_rotary(p.cos_cache, p.rotary_dtype, ci);
+          const float sn = load_rotary(p.sin_cache, p.rotary_dtype, ci);
+          // Unfused products, as the CPU backend computes them.
+          y0 = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
+          y1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+        } else {  // prep flags this; never read out of bounds
+          y0 = y1 = __int_as_float(0x7fc00000);
+        }
+        *e0 = H::from_float(y0);
+        *e1 = H::from_float(y1);
+      }
+      __syncwarp();
+    }
+  }
+
+  // ---- per-lane ldmatrix addressing ----------------------------------------------------------
+  // A (Q, row-major) and V (trans): lanes 0-15 rows 0-15 of chunk 2k, lanes 16-31 chunk 2k+1.
+  // K (non-trans, two n-tiles): lanes 0-7 keys 0-7 chunk 2k, 8-15 keys 0-7 chunk 2k+1,
+  // 16-23 keys 8-15 chunk 2k, 24-31 keys 8-15 chunk 2k+1. Row offsets added later are
+  // multiples of 8, so the swizzle phase (row & 7) = (lane & 7) is fixed per lane.
+  {
+    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int k_row = (lane & 7) + ((lane >> 4) << 3);
+    w.a_x = static_cast<uint32_t>((lane >> 4) ^ (lane & 7));
+    w.k_x = static_cast<uint32_t>(((lane >> 3) & 1) ^ (lane & 7));
+    w.a_lane = q_base + a_row * RB;
+    w.k_lane = k_base + k_row * RB;
+    w.v_lane = v_base + a_row * RB;
+    w.key_col = (lane & 3) * 2;
+    w.k2 = a.k2;
+    w.tanh_k = a.tanh_k;
+  }
+  if constexpr (C::kQRegs) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        ldsm_x4(w.a_lane + mt * 16 * RB + (((2u * ks) ^ w.a_x) << 4), w.qf[mt][ks]);
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int d = 0; d < DT; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w.o[mt][d][e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    w.m_ref[i] = -INFINITY;
+    w.l_sum[i] = 0.f;
+  }
+  const bool cap = a.softcap_on != 0;
+
+  if constexpr (!C::kPipe) {
+    int stage = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+      cp_async_wait<C::kStages - 2>();
+      __syncthreads();  // tile `it` visible to all; every warp is done with the stage refilled next
+      {
+        const int nt = it + C::kStages - 1;
+        int ls = stage + C::kStages - 1;
+        if (ls >= C::kStages) ls -= C::kStages;
+        if (nt < n_tiles) load_tile(t_end - 1 - nt, ls);
+        cp_async_commit();
+      }
+      const int n0s = tile_n0(it);
+#pragma unroll
+      for (int u = C::kSub - 1; u >= 0; --u) {
+        const int n0 = n0s + u * BN;
+        if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
+        const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
+        const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
+        if (needs_mask(n0)) {
+          if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
+          else w.template tile_plain<true, false>(k_st, v_st, n0);
+        } else {
+          if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
+          else w.template tile_plain<false, false>(k_st, v_st, n0);
+        }
+      }
+      if (++stage == C::kStages) stage = 0;
+    }
+  } else {
+    // Stages: iteration `it` reads V(it) and K(it+1) while tile it+2 streams in (>= 3 stages).
+    static_assert(!C::kPipe || C::kStages >= 3, "the pipelined order keeps three tiles in flight");
+    uint32_t pa[MT][BN / 16][4];
+    cp_async_wait<C::kStages - 2>();
+    __syncthreads();
+    {
+      const int n0 = tile_n0(0);
+      if (cap) w.template first_pipe<true>(pa, w.k_lane, n0, needs_mask(n0));
+      else w.template first_pipe<false>(pa, w.k_lane, n0, needs_mask(n0));
+    }
+    int stage = 0;  // stage of tile `it`
+    for (int it = 0; it < n_tiles; ++it) {
+      int s1 = stage + 1;
+      if (s1 == C::kStages) s1 = 0;
+      cp_async_wait<C::kStages - 3>();
+      __syncthreads();  // tile it+1 visible; every warp is done with tile it-1's stage
+      {
+        const int nt = it + C::kStages - 1;
+        int ls = stage + C::kStages - 1;
+        if (ls >= C::kStages) ls -= C::kStages;
+        if (nt < n_tiles) load_tile(t_end - 1 - nt, ls);
+        cp_async_commit();
+      }
+      const uint32_t v_cur = w.v_lane + stage * C::kTileBytes;
+      if (it + 1 < n_tiles) {
+        const int n1 = tile_n0(it + 1);
+        const uint32_t k_next = w.k_lane + s1 * C::kTileBytes;
+        if (needs_mask(n1)) {
+          if (cap) w.template tile_pipe<true, true>(pa, k_next, v_cur, n1);
+          else w.template tile_pipe<true, false>(pa, k_next, v_cur, n1);
+        } else {
+          if (cap) w.template tile_pipe<false, true>(pa, k_next, v_cur, n1);
+          else w.template tile_pipe<false, false>(pa, k_next, v_cur, n1);
+        }
+      } else {
+        w.pv(pa, v_cur);
+      }
+      stage = s1;
+    }
+  }
+
+  // ---- normalise: sum, sink / smooth logits, 1/l ----------------------------------------------
+  const bool has_sink = p.head_sink != nullptr;
+  const bool smooth = p.smooth_softmax;
+  float f[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    float l = w.l_sum[i];
+    l += __shfl_xor_sync(kFull, l, 1);
+    l += __shfl_xor_sync(kFull, l, 2);
+    const int r = wrow0 + (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
+    if (has_sink || smooth) {
+      const float mt2 = w.m_ref[i] * a.k2;  // -inf when the row saw no key
+      float z = -INFINITY;
+      if (has_sink && r < nrows) z = p.head_sink[kvh * G + r % G] * kLog2e;
+      float top = mt2;
+      if (has_sink) top = fmaxf(top, z);
+      if (smooth) top = fmaxf(top, 0.f);
+      const float c = mt2 == -INFINITY ? 0.f : fast_exp2(mt2 - top);
+      float den = l * c;
+      if (has_sink) den += fast_exp2(z - top);
+      if (smooth) den += fast_exp2(-top);
+      f[i] = den > 0.f ? c / den : 0.f;
+    } else {
+      f[i] = l > 0.f ? 1.f / l : 0.f;
+    }
+  }
+
+  // ---- O -> this warp's staging rows (the Q rows) -> global, 16-byte stores ------------------
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int d = 0; d < DT; ++d)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = mt * 16 + (lane >> 2) + hh * 8;
+        const float fi = f[mt * 2 + hh];
+        *reinterpret_cast<uint32_t*>(q_smem + swz<D>(row, d) + (lane & 3) * 4) =
+            H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi);
+      }
+  __syncwarp();
+  {
+    T* const out = static_cast<T*>(p.output) + static_cast<int64_t>(b) * p.output_strides.batch;
+#pragma unroll 4
+    for (int i = lane; i < C::kWarpRows * CH; i += 32) {
+      const int row = i / CH, c = i % CH;
+      const int r = wrow0 + row;
+      if (r >= nrows || c * 8 >= p.head_dim) continue;
+      const int s = r / G, h = kvh * G + (r - s * G);
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);  // first-prompt padding rows are exactly 0
+      if (r < valid_rows) v = *reinterpret_cast<const uint4*>(q_smem + swz<D>(row, c));
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(s) * p.output_strides.token +
+                                static_cast<int64_t>(h) * p.output_strides.head + c * 8) = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------------------------
+
+// The tile shapes per padded head size: the fastest measured on an H200 (bf16, causal,
+// Hq/Hkv = 32/8; B=2 L=4096, B=8 L=1024, B=1 L=16384) among 8-21 candidates each. Four warps of
+// 32 rows (each K/V fragment read from shared memory feeds two m-tiles) and two CTAs per SM, so
+// one CTA's barrier stalls are covered by the other; D=128 takes two 32-key sub-tiles per stage
+// (one barrier per 64 keys, registers sized for 32).
+using Cfg64 = Config<64, 4, 2, 64, 2, true, 2, false>;
+using Cfg128 = Config<128, 4, 2, 32, 2, false, 2, false, 2>;
+using Cfg256 = Config<256, 4, 1, 32, 2, false, 2, false>;
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+inline bool strides8(const TokenStrides& s) { return s.batch % 8 == 0 && s.token % 8 == 0 && s.head % 8 == 0; }
+
+// Fills `a` and returns the padded head size, or 0 when the case is not covered.
+inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q, Args& a) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return 0;
+  const int D = p.head_dim;
+  if (D <= 0 || D % 8 != 0 || D > 256) return 0;
+  if (p.batch <= 0 || p.query_len <= 0 || p.kv_heads <= 0 || p.group_size <= 0) return 0;
+  if (static_cast<int64_t>(p.kv_heads) * p.group_size != p.q_heads) return 0;
+  if (q == nullptr || p.key_cache == nullptr || p.value_cache == nullptr || p.output == nullptr ||
+      p.seqlens_k == nullptr)
+    return 0;
+  if (!aligned16(q) || !aligned16(p.key_cache) || !aligned16(p.value_cache) || !aligned16(p.output))
+    return 0;
+  if (!strides8(q_strides) || !strides8(p.cache_strides) || !strides8(p.output_strides)) return 0;
+  if (!std::isfinite(p.scale) || p.scale == 0.f) return 0;
+  if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap)) return 0;
+  if (rotate_q) {
+    const int R = p.rotary_dim;
+    if (R < 2 || R % 2 != 0 || R > D || p.cos_cache == nullptr || p.sin_cache == nullptr) return 0;
+  }
+  if (static_cast<int64_t>(p.query_len) * p.group_size > INT_MAX) return 0;
+  a.p = p;
+  a.q = q;
+  a.q_strides = q_strides;
+  a.rotate = rotate_q ? 1 : 0;
+  a.q_sign = p.scale < 0.f ? 0x80008000u : 0u;
+  const float scale = std::fabs(p.scale);
+  a.softcap_on = p.softcap > 0.f ? 1 : 0;
+  a.k2 = p.softcap > 0.f ? p.softcap * kLog2e : scale * kLog2e;
+  a.tanh_k = p.softcap > 0.f ? 2.f * kLog2e * scale / p.softcap : 0.f;
+  return D <= 64 ? 64 : D <= 128 ? 128 : 256;
+}
+
+template <typename T, class C>
+bool launch_config(Args& a, cudaStream_t stream) {
+  const Params& p = a.p;
+  const int64_t nrows = static_cast<int64_t>(p.query_len) * p.group_size;
+  const int64_t mblocks = (nrows + C::BM - 1) / C::BM;
+  const int64_t grid = mblocks * p.kv_heads * p.batch;
+  if (grid <= 0 || grid > INT_MAX) return false;
+  a.num_mblocks = static_cast<int32_t>(mblocks);
+
+  auto kernel = prefill_mma_kernel<T, C>;
+  // The dynamic shared-memory opt-in is per function and device: do it once per device.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) throw std::runtime_error(std::string("gqa prefill_mma: cudaGetDevice: ") + cudaGetErrorString(err));
+  const uint64_t bit = device < 64 ? (1ull << device) : 0ull;
+  if (bit == 0 || (configured.load(std::memory_order_relaxed) & bit) == 0) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("gqa prefill_mma: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
+    configured.fetch_or(bit, std::memory_order_relaxed);
+  }
+  kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmemBytes, stream>>>(a);
+  err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("gqa prefill_mma: kernel launch: ") + cudaGetErrorString(err));
+  return true;
+}
+
+template <typename T>
+bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
+  switch (dpad) {
+    case 64: return launch_config<T, Cfg64>(a, stream);
+    case 128: return launch_config<T, Cfg128>(a, stream);
+    case 256: return launch_config<T, Cfg256>(a, stream);
+    default: return false;
+  }
+}
+
+}  // namespace pmma
+
+bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
+                        void* stream) {
+  pmma::Args a{};
+  const int dpad = pmma::prepare(p, q, q_strides, rotate_q, a);
+  if (dpad == 0) return false;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::kFloat16) return pmma::launch_typed<__half>(a, dpad, s);
+  return pmma::launch_typed<__nv_bfloat16>(a, dpad, s);
+}
+
+
+}  // namespace cuda
+}  // namespace gqa

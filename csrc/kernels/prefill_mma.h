@@ -1,0 +1,22 @@
+// Tensor-core flash-attention prefill (mma.sync m16n8k16, sm80+) for fp16/bf16.
+// Torch-free: callable from any host code that has filled a gqa::Params.
+#pragma once
+
+#include "../core/params.h"
+
+namespace gqa {
+namespace cuda {
+
+// Enqueues the attention of every query row of the call on `stream` (a cudaStream_t), reading
+// K/V from p.key_cache/p.value_cache (already appended by prep) and writing p.output in place.
+// `q` with `q_strides` (elements: batch, token, head; D contiguous) may point into a packed QKV
+// tensor; with `rotate_q` RoPE is applied to q on load (p.rotary_* / cos / sin / position_ids).
+//
+// Returns false, launching nothing, when this kernel does not cover the case (fp32, a head size
+// that is not a multiple of 8 or is above 256, pointers or strides not 16-byte aligned, ...):
+// the caller then uses the simple prefill kernel. Throws std::runtime_error on a launch failure.
+bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
+                        void* stream);
+
+}  // namespace cuda
+}  // namespace gqa

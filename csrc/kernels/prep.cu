@@ -1,0 +1,217 @@
+// Prep: one launch that checks every row, latches errors, and writes the caches.
+//   - in-place op: the S new K rows (after RoPE) and V rows at [past_b, past_b + S);
+//   - functional op: the whole present, rows [0, past_b) copied from the past, the new rows,
+//     zeros in every other row up to C (first prompt: all S new rows at 0..S-1).
+// A CTA that finds the error word already set writes nothing; a row that violates a bound
+// ORs its flags into the word, and then no CTA of the call writes anything (every CTA checks
+// every row; explicit positions are checked by validate_rows_kernel first when there are
+// many). The query is not touched here: the attention kernels apply RoPE to it on load.
+#include "kernels.h"
+
+namespace gqa {
+namespace cuda {
+namespace detail {
+namespace {
+
+constexpr int kPrepThreads = 256;
+
+// Flags of one row from its geometry; rotary positions too when they follow from it (no
+// position_ids: positions past_b .. past_b + S - 1, first prompt 0 .. S - 1).
+__device__ __forceinline__ uint32_t geometry_flags(const Params& p, const RowGeometry& g) {
+  uint32_t flags = g.flags;
+  if (flags == 0 && p.do_rotary && p.position_ids == nullptr) {
+    const int64_t first = g.past;
+    const int64_t last = static_cast<int64_t>(g.past) + p.query_len - 1;
+    if (!position_in_range(p, first) || !position_in_range(p, last)) flags |= kErrPosition;
+  }
+  return flags;
+}
+
+// Block-wide: flags of row b (`own`) and of the whole call (`any`). Every row's geometry is
+// checked, and every explicit position_ids entry when `check_positions`. Every thread of the
+// block must call it.
+__device__ void call_flags_block(const Params& p, int b, bool check_positions, uint32_t& own, uint32_t& any) {
+  __shared__ uint32_t s_own, s_any;
+  if (threadIdx.x == 0) {
+    s_own = 0;
+    s_any = 0;
+  }
+  __syncthreads();
+  uint32_t mine = 0, all = 0;
+  for (int bb = threadIdx.x; bb < p.batch; bb += blockDim.x) {
+    const uint32_t f = geometry_flags(p, row_geometry(p, p.seqlens_k[bb]));
+    all |= f;
+    if (bb == b) mine |= f;
+  }
+  if (check_positions && p.do_rotary && p.position_ids != nullptr) {
+    const int64_t n = static_cast<int64_t>(p.batch) * p.query_len;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      if (!position_in_range(p, p.position_ids[i])) {
+        all |= kErrPosition;
+        if (i / p.query_len == b) mine |= kErrPosition;
+      }
+    }
+  }
+  if (all) atomicOr(&s_any, all);
+  if (mine) atomicOr(&s_own, mine);
+  __syncthreads();
+  own = s_own;
+  any = s_any;
+}
+
+template <typename T>
+__device__ __forceinline__ void copy_row(T* dst, const T* src, int D, int lane, bool vec) {
+  if (vec) {
+    const int n = D * static_cast<int>(sizeof(T)) / 16;
+    for (int i = lane; i < n; i += 32) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+    for (int d = lane; d < D; d += 32) dst[d] = src[d];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void zero_row(T* dst, int D, int lane, bool vec) {
+  if (vec) {
+    const int n = D * static_cast<int>(sizeof(T)) / 16;
+    for (int i = lane; i < n; i += 32) reinterpret_cast<uint4*>(dst)[i] = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int d = lane; d < D; d += 32) dst[d] = from_f<T>(0.f);
+  }
+}
+
+// One CTA per row: the row's geometry and all its explicit positions (used before prep when
+// the calls's positions are too many for every prep CTA to re-read).
+__global__ void __launch_bounds__(kPrepThreads) validate_rows_kernel(const __grid_constant__ Params p) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int b = blockIdx.x;
+  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
+  uint32_t flags = geometry_flags(p, g);
+  int pos_bad = 0;
+  if (p.do_rotary && p.position_ids != nullptr) {
+    const int64_t* ids = p.position_ids + static_cast<int64_t>(b) * p.query_len;
+    for (int s = threadIdx.x; s < p.query_len; s += blockDim.x) {
+      if (!position_in_range(p, ids[s])) pos_bad = 1;
+    }
+  }
+  if (__syncthreads_or(pos_bad)) flags |= kErrPosition;
+  if (flags != 0 && threadIdx.x == 0) atomicOr(p.error_word, flags);
+}
+
+// grid: (ceil(span / rows_per_cta), B); span = S (in place) or C (functional).
+// One warp per (token row, kv head) item.
+template <typename T>
+__global__ void __launch_bounds__(kPrepThreads)
+    prep_kernel(const __grid_constant__ Params p, int rows_per_cta, int check_positions, int vec_cache, int vec_past) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int b = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int nwarps = blockDim.x >> 5;
+
+  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
+  const uint32_t word = threadIdx.x == 0 ? read_error_word(p.error_word) : 0u;
+  uint32_t own = 0, any = 0;
+  call_flags_block(p, b, check_positions != 0, own, any);
+  const int word_set = __syncthreads_or(word != 0u);
+  // A bad row latches its flags; then no CTA of the call writes anything, so the caches never
+  // hold half of a failed call.
+  if (own != 0 && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(p.error_word, own);
+  if (any != 0 || word_set) return;
+
+  const int S = p.query_len;
+  const int D = p.head_dim;
+  const int Hkv = p.kv_heads;
+  const int span = p.inplace ? S : p.capacity;
+  const int t_begin = blockIdx.x * rows_per_cta;
+  const int t_end = min(span, t_begin + rows_per_cta);
+  const int items = (t_end - t_begin) * Hkv;
+  const TokenStrides cs = p.cache_strides;
+
+  for (int item = warp; item < items; item += nwarps) {
+    const int t = t_begin + item / Hkv;
+    const int h = item - (item / Hkv) * Hkv;
+    int dest = t;
+    int s_new = -1;
+    bool from_past = false;
+    if (p.inplace) {
+      dest = g.past + t;
+      s_new = t;
+    } else if (p.first_prompt) {
+      if (t < S) s_new = t;
+    } else if (t < g.past) {
+      from_past = true;
+    } else if (t < g.past + S) {
+      s_new = t - g.past;
+    }
+    const int64_t cache_off = b * cs.batch + static_cast<int64_t>(dest) * cs.token + h * cs.head;
+    T* kd = static_cast<T*>(p.key_cache) + cache_off;
+    T* vd = static_cast<T*>(p.value_cache) + cache_off;
+    if (s_new >= 0) {
+      const TokenStrides ks = p.key_strides;
+      const TokenStrides vs = p.value_strides;
+      const T* ksrc = static_cast<const T*>(p.key) + b * ks.batch + static_cast<int64_t>(s_new) * ks.token + h * ks.head;
+      const T* vsrc =
+          static_cast<const T*>(p.value) + b * vs.batch + static_cast<int64_t>(s_new) * vs.token + h * vs.head;
+      const int64_t pos = p.do_rotary ? rotary_position(p, g, b, s_new) : 0;
+      rope_row<T>(p, ksrc, p.do_rotary, pos, lane, 32, [&](int d, T v) { kd[d] = v; });
+      for (int d = lane; d < D; d += 32) vd[d] = vsrc[d];
+    } else if (from_past && p.past_key != nullptr) {
+      const TokenStrides ps = p.past_strides;
+      const int64_t past_off = b * ps.batch + static_cast<int64_t>(t) * ps.token + h * ps.head;
+      copy_row(kd, static_cast<const T*>(p.past_key) + past_off, D, lane, vec_past != 0);
+      copy_row(vd, static_cast<const T*>(p.past_value) + past_off, D, lane, vec_past != 0);
+    } else {
+      zero_row(kd, D, lane, vec_cache != 0);
+      zero_row(vd, D, lane, vec_cache != 0);
+    }
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+bool strides16(const TokenStrides& s, int esize) {
+  const int64_t per = 16 / esize;
+  return s.batch % per == 0 && s.token % per == 0 && s.head % per == 0;
+}
+
+template <typename T>
+void launch_prep_t(const Params& p, bool check_positions, cudaStream_t stream) {
+  const int esize = static_cast<int>(sizeof(T));
+  const bool row16 = (p.head_dim * esize) % 16 == 0;
+  const bool vec_cache = row16 && aligned16(p.key_cache) && aligned16(p.value_cache) && strides16(p.cache_strides, esize);
+  const bool vec_past = vec_cache && p.past_key != nullptr && aligned16(p.past_key) && aligned16(p.past_value) &&
+                        strides16(p.past_strides, esize);
+  const int span = p.inplace ? p.query_len : p.capacity;
+  if (span <= 0) return;
+  const int rows_per_cta = p.kv_heads >= 32 ? 1 : 32 / p.kv_heads;
+  const dim3 grid((span + rows_per_cta - 1) / rows_per_cta, p.batch);
+  launch_kernel("prep_kernel", prep_kernel<T>, grid, dim3(kPrepThreads), 0, stream, p, rows_per_cta,
+                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0);
+}
+
+}  // namespace
+
+bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("GQA_DISABLE_PDL");
+    return !(v != nullptr && v[0] == '1');
+  }();
+  return enabled;
+}
+
+void launch_validate_rows(const Params& p, cudaStream_t stream) {
+  launch_kernel("validate_rows_kernel", validate_rows_kernel, dim3(p.batch), dim3(kPrepThreads), 0, stream, p);
+}
+
+void launch_prep(const Params& p, bool check_positions, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat32: launch_prep_t<float>(p, check_positions, stream); break;
+    case DType::kFloat16: launch_prep_t<__half>(p, check_positions, stream); break;
+    default: launch_prep_t<__nv_bfloat16>(p, check_positions, stream); break;
+  }
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace gqa
