@@ -81,10 +81,16 @@ def _extension():
         glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/torch/*.cpp")
     )
     cxx_flags = ["-O3", "-fopenmp"]  # the C++ standard is the one torch asks for
+    # at::parallel_for needs -fopenmp when compiling. GQA_LINK_OPENMP=0 leaves libgomp out of
+    # the link (torch already loads its own); GQA_MULTIVERSION=0 turns off the CPU backend's
+    # AVX2/AVX-512 function clones. Both are escape hatches for unusual toolchains.
+    link_flags = ["-fopenmp"] if os.environ.get("GQA_LINK_OPENMP", "1") == "1" else []
+    if os.environ.get("GQA_MULTIVERSION", "1") == "0":
+        cxx_flags.append("-DGQA_NO_MULTIVERSION")
     if not with_cuda:
         _write_build_info(False, reason, "")
         return cpp_extension.CppExtension(
-            "gqa_torch._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
+            "gqa_torch._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags
         )
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
@@ -98,7 +104,7 @@ def _extension():
         "gqa_torch._C",
         sources,
         extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link_flags,
     )
 
 

@@ -1,0 +1,459 @@
+"""GPU tests: the CUDA backend vs the float64 reference and vs the CPU backend, CUDA graphs,
+torch.compile(mode="reduce-overhead"), and the sticky device error word (SPEC §4).
+
+Every test here is skipped, with the reason printed, when this build has no CUDA kernels or
+the machine has no CUDA device. Skips never count as passes (conftest fails a run in which
+nothing passed).
+
+CUDA may contract RoPE's x0*cos - x1*sin into FMAs, so rotated K rows in the caches may differ
+from the reference (and from the CPU backend) by one unit in the last place; everything else
+in the caches must be byte-identical.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+import gqa_torch
+from gqa_torch import errors as gerr
+from conftest import (DTYPES, NORM_REL, FP32_MAX_REL, assert_output_close, bits, bits_equal, check_caches,
+                      make_case, output_error, poison, record_error, requires_cuda, run_and_check)
+from reference import reference_gqa_, to_bnsh
+from test_parity import GRID, RANDOM_CONFIGS, _case_id, build_case
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+ROTARY_ULPS = 1
+
+
+@pytest.fixture(autouse=True)
+def _clean_error_word():
+    """Each test starts and ends with a clear error word and the asynchronous default."""
+    gqa_torch.set_synchronous_errors(False)
+    gqa_torch.clear_errors()
+    torch.cuda.synchronize()
+    yield
+    gqa_torch.set_synchronous_errors(False)
+    gqa_torch.clear_errors()
+    torch.cuda.synchronize()
+
+
+def _run_cuda_and_cpu(case_cpu):
+    """Runs the same inputs on the CPU backend and on CUDA; checks CUDA against the reference
+    (output, caches, guard regions, poisoned allocations) and against the CPU backend."""
+    cpu_case = case_cpu.clone()
+    cuda_checked = case_cpu.to("cuda")
+    cuda_case = case_cpu.to("cuda")
+    err = run_and_check(cuda_checked, rotary_ulps=ROTARY_ULPS, suite="cuda")
+    torch.cuda.synchronize()
+    gqa_torch.check_errors()  # a valid call sets no flag
+    if case_cpu.op == "functional":
+        cpu_out, cpu_k, cpu_v = cpu_case.run()
+        cuda_out, cuda_k, cuda_v = cuda_case.run()
+    else:
+        cpu_out, cpu_k, cpu_v = cpu_case.run(), cpu_case.cache_key, cpu_case.cache_value
+        cuda_out, cuda_k, cuda_v = cuda_case.run(), cuda_case.cache_key, cuda_case.cache_value
+    tol = 2 * (FP32_MAX_REL if cpu_out.dtype == torch.float32 else NORM_REL[cpu_out.dtype])
+    diff = output_error(cuda_out.cpu(), cpu_out.double())
+    record_error("cuda_vs_cpu", cpu_out.dtype, diff)
+    assert diff <= tol, f"CUDA vs CPU backend: {diff:.3g} > {tol:.3g}"
+    check_caches(case_cpu, cuda_k.cpu(), cuda_v.cpu(), cpu_k, cpu_v, rotary_ulps=ROTARY_ULPS)
+    gqa_torch.check_errors()
+    return err
+
+
+@pytest.mark.parametrize("row", GRID, ids=[_case_id(r) for r in GRID])
+def test_cuda_parity_grid(row):
+    """The same pairwise grid as the CPU parity suite, on CUDA (odd head sizes are refused)."""
+    case = build_case(row, random.Random(_case_id(row)))
+    if case.head_dim % 2:
+        with pytest.raises(ValueError, match=r"gqa: query: expected an even head_size on CUDA, got 17"):
+            case.to("cuda").run()
+        return
+    _run_cuda_and_cpu(case)
+
+
+EVEN_RANDOM_CONFIGS = [c for c in RANDOM_CONFIGS if c["head_dim"] % 2 == 0]
+
+
+@pytest.mark.parametrize("cfg", EVEN_RANDOM_CONFIGS, ids=[f"random{i}" for i in range(len(EVEN_RANDOM_CONFIGS))])
+def test_cuda_random_combinations(cfg):
+    """The CPU suite's random feature combinations (even head sizes), on CUDA."""
+    cfg = dict(cfg)
+    op = cfg.pop("op")
+    _run_cuda_and_cpu(make_case(op, **cfg))
+
+
+def test_cuda_inplace_matches_cpu_backend_caches():
+    """In-place: the CUDA caches after a call equal the CPU backend's (rotated rows within 1 ulp)."""
+    for dtype in DTYPES.values():
+        case = make_case("inplace", batch=3, seq=5, num_heads=8, kv_num_heads=2, head_dim=64, capacity=40,
+                         dtype=dtype, rotary="half", sink=True, layout=1)
+        cpu, gpu = case.clone(), case.to("cuda")
+        out_cpu, out_gpu = cpu.run(), gpu.run()
+        tol = 2 * (FP32_MAX_REL if dtype == torch.float32 else NORM_REL[dtype])
+        assert output_error(out_gpu.cpu(), out_cpu.double()) <= tol
+        check_caches(case, gpu.cache_key.cpu(), gpu.cache_value.cpu(), cpu.cache_key, cpu.cache_value,
+                     rotary_ulps=ROTARY_ULPS)
+
+
+FEATURE_CYCLE = [
+    dict(),
+    dict(rotary="half"),
+    dict(rotary="interleaved", position_ids="random"),
+    dict(rotary="half", rotary_dim=32, window=37),
+    dict(softcap=2.0, q_amplitude=3.0, sink=True),
+    dict(smooth=True, window=5, scale=0.1),
+]
+
+
+@pytest.mark.parametrize("seq", [2, 7, 64, 513])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", [0, 1])
+def test_cuda_prefill_sizes(seq, dtype, layout):
+    """Prefill / chunked prefill with ragged pasts for S in {2, 7, 64, 513}: in-place (batched
+    chunks) and functional (first prompt with padding), features rotating with the size."""
+    idx = [2, 7, 64, 513].index(seq) + 3 * layout + list(DTYPES).index(dtype)
+    feat = FEATURE_CYCLE[idx % len(FEATURE_CYCLE)]
+    head_dim = [64, 128, 256, 96][idx % 4]
+    case = make_case("inplace", batch=3, seq=seq, num_heads=8, kv_num_heads=2, head_dim=head_dim,
+                     capacity=seq + 70, layout=layout, dtype=DTYPES[dtype], packed=idx % 2 == 1, **feat)
+    _run_cuda_and_cpu(case)
+    case = make_case("functional", batch=2, seq=seq, num_heads=4, kv_num_heads=1, head_dim=head_dim,
+                     capacity=None, first_prompt=True, prompt_lengths=[seq, max(1, seq // 3)], layout=layout,
+                     dtype=DTYPES[dtype], **feat)
+    _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("batch,past", [(1, [4000]), (4, [1, 900, 3000, 257]), (2, [255, 256])])
+@pytest.mark.parametrize("op", ["inplace", "functional"])
+def test_cuda_decode(dtype, batch, past, op):
+    """Decode (S = 1) with short and long ragged rows: split-K and its merge, every feature."""
+    for i, feat in enumerate(FEATURE_CYCLE):
+        capacity = max(past) + 16
+        case = make_case(op, batch=batch, seq=1, num_heads=8, kv_num_heads=[1, 2, 8][i % 3], head_dim=[64, 128][i % 2],
+                         capacity=capacity, past_lengths=past, dtype=DTYPES[dtype], layout=i % 2, **feat)
+        _run_cuda_and_cpu(case)
+
+
+def test_cuda_poisoned_outputs_are_overwritten():
+    """Outputs come from the caching allocator; blocks freed full of NaN must be fully
+    overwritten (first-prompt padding rows with exact zeros)."""
+    for _ in range(3):
+        case = make_case("functional", batch=3, seq=33, num_heads=4, kv_num_heads=2, head_dim=64, capacity=None,
+                         first_prompt=True, prompt_lengths=[33, 1, 20], dtype=torch.float16, device="cuda")
+        shape_out = (3, 33, 4 * 64)
+        junk = [poison(torch.empty(shape_out, dtype=torch.float16, device="cuda")) for _ in range(4)]
+        del junk
+        out, pk, pv = case.run()
+        assert torch.isfinite(out).all() and torch.isfinite(pk).all() and torch.isfinite(pv).all()
+        assert (out[1, 1:] == 0).all() and (out[2, 20:] == 0).all()
+
+
+# ---- CUDA graphs ------------------------------------------------------------------------------------
+
+def test_cuda_graph_decode_replay_50_steps():
+    """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
+    inputs change: every replay is checked against the reference (output and caches)."""
+    B, Hq, Hkv, D, C, R = 3, 8, 2, 64, 96, 64
+    rng = random.Random(5)
+    case = make_case("inplace", batch=B, seq=1, num_heads=Hq, kv_num_heads=Hkv, head_dim=D, capacity=C,
+                     past_lengths=[5, 10, 20], rotary="half", position_ids="random", max_positions=200, sink=True,
+                     window=40, device="cuda", poison_unused=False)
+    static = case.clone()
+    start_k, start_v = static.cache_key.clone(), static.cache_value.clone()
+
+    def step():
+        return gqa_torch.group_query_attention_(static.query, static.key, static.value, static.cache_key,
+                                                static.cache_value, static.seqlens_k, static.cos_cache,
+                                                static.sin_cache, static.position_ids, static.head_sink,
+                                                **static.attrs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    static.cache_key.copy_(start_k)
+    static.cache_value.copy_(start_v)
+    torch.cuda.synchronize()
+
+    for i in range(50):
+        pasts = [rng.randint(0, C - 1) for _ in range(B)]
+        static.seqlens_k.copy_(torch.tensor(pasts, dtype=torch.int32))  # total = past + 1
+        static.position_ids.copy_(torch.randint(0, 200, (B, 1), dtype=torch.int64))
+        for t in (static.query, static.key, static.value):
+            t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+        before = static.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        gqa_torch.check_errors()
+        ref_out, ref_k, ref_v = before.reference()
+        assert_output_close(static_out, ref_out, before, suite="cuda_graph")
+        check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
+def test_cuda_graph_replay_with_bad_row_sets_flags():
+    """A bad seqlens_k during a replay sets the word; check_errors() after the replay raises
+    with the flags, and the bad row's output is NaN."""
+    case = make_case("inplace", batch=2, seq=1, num_heads=4, kv_num_heads=2, head_dim=64, capacity=32,
+                     past_lengths=[3, 4], device="cuda", poison_unused=False)
+
+    def step():
+        return case.run()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+        with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
+            gqa_torch.check_errors()
+    case.seqlens_k.copy_(torch.tensor([5, 40], dtype=torch.int32, device="cuda"))  # row 1: total 41 > 32
+    k_before = case.cache_key.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all()
+    assert bits_equal(case.cache_key[1], k_before[1])
+    with pytest.raises(gqa_torch.GQAError) as info:
+        gqa_torch.check_errors()
+    assert info.value.flags == gerr.CAPACITY
+    gqa_torch.check_errors()  # cleared
+
+
+# ---- torch.compile(mode="reduce-overhead") -------------------------------------------------------
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, layers, batch, capacity, hq, hkv, d):
+        super().__init__()
+        self.hq, self.hkv = hq, hkv
+        self.proj = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(hq * d, (hq + 2 * hkv) * d) / d ** 0.5) for _ in range(layers)])
+        for i in range(layers):
+            self.register_buffer(f"k{i}", torch.randn(batch, hkv, capacity, d))
+            self.register_buffer(f"v{i}", torch.randn(batch, hkv, capacity, d))
+        self.layers = layers
+
+    def mark_caches_static(self):
+        # The caches are mutated in place; as static addresses CUDA graphs may capture that.
+        for i in range(self.layers):
+            torch._dynamo.mark_static_address(getattr(self, f"k{i}"))
+            torch._dynamo.mark_static_address(getattr(self, f"v{i}"))
+
+    def forward(self, x, seqlens_k, cos, sin):
+        for i in range(self.layers):
+            qkv = x @ self.proj[i]
+            out = gqa_torch.group_query_attention_(qkv, None, None, getattr(self, f"k{i}"), getattr(self, f"v{i}"),
+                                                   seqlens_k, cos, sin, num_heads=self.hq, kv_num_heads=self.hkv,
+                                                   do_rotary=True)
+            x = x + out
+        return x
+
+
+@torch.no_grad()
+def test_compile_reduce_overhead_multilayer_decode():
+    """torch.compile(mode="reduce-overhead", fullgraph=True) over a 4-layer decode step, run for
+    12 steps with growing ragged seqlens: equal to eager at every step, caches too, and
+    inductor captured it in CUDA graphs (no cudagraph skip)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    B, C, Hq, Hkv, D = 2, 64, 8, 2, 64
+    eager = _Decoder(4, B, C, Hq, Hkv, D).cuda()
+    compiled_model = copy.deepcopy(eager)
+    compiled_model.mark_caches_static()
+    compiled = torch.compile(compiled_model, mode="reduce-overhead", fullgraph=True)
+    angle = torch.rand(128, D // 2, device="cuda") * 6.28
+    cos, sin = angle.cos(), angle.sin()
+    seqlens = torch.tensor([3, 17], dtype=torch.int32, device="cuda")
+    skips_before = counters["inductor"].get("cudagraph_skips", 0)
+    x = torch.randn(B, 1, Hq * D, device="cuda")
+    for step in range(12):
+        torch.compiler.cudagraph_mark_step_begin()
+        y_c = compiled(x, seqlens, cos, sin).clone()
+        y_e = eager(x, seqlens, cos, sin)
+        torch.testing.assert_close(y_c, y_e, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        for i in range(4):
+            torch.testing.assert_close(getattr(compiled_model, f"k{i}"), getattr(eager, f"k{i}"), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(getattr(compiled_model, f"v{i}"), getattr(eager, f"v{i}"), rtol=1e-4, atol=1e-4)
+        x = y_e / y_e.norm(dim=-1, keepdim=True) * 8
+        seqlens = seqlens + 1
+    assert counters["inductor"].get("cudagraph_skips", 0) == skips_before, "inductor skipped CUDA graphs"
+    gqa_torch.check_errors()
+
+
+# ---- the error word -----------------------------------------------------------------------------------
+
+def _bad_inplace_case(bad: str, strided=True, rotary=False):
+    """B = 3, row 1 broken by `bad`; caches are views into guarded, poisoned buffers."""
+    case = make_case("inplace", batch=3, seq=2, num_heads=4, kv_num_heads=2, head_dim=64, capacity=16,
+                     past_lengths=[3, 5, 7], strided=strided, rotary="half" if rotary or bad == "position" else None,
+                     position_ids="offset" if bad == "position" else None, max_positions=32, device="cuda",
+                     poison_unused=False)
+    expected = {
+        "overflow": (2**31 - 1, gerr.TOTAL_OVERFLOW | gerr.CAPACITY),
+        "negative": (0, gerr.PAST_NEGATIVE | gerr.QUERY_NEGATIVE),
+        "capacity": (16, gerr.CAPACITY),
+        "position": (None, gerr.POSITION),
+    }[bad]
+    if bad == "position":
+        case.position_ids[1, 1] = 32
+    else:
+        case.seqlens_k[1] = expected[0]
+    return case, expected[1]
+
+
+def _assert_untouched_except_valid_rows(case_before, case_after, written_rows):
+    """Everything of the cache buffers (guard region included) is byte-identical, except the
+    target rows of the rows in written_rows, which may hold the new K/V."""
+    layout = case_before.attrs["kv_layout"]
+    for base_b, base_a, view_a in ((case_before.cache_base[0], case_after.cache_base[0], case_after.cache_key),
+                                   (case_before.cache_base[1], case_after.cache_base[1], case_after.cache_value)):
+        may_change = torch.zeros(base_a.shape, dtype=torch.bool)
+        mv = may_change.as_strided(view_a.shape, view_a.stride(), view_a.storage_offset() - base_a.storage_offset())
+        for b in written_rows:
+            g = case_before.geometry()[b]
+            to_bnsh(mv, layout)[b, :, g.past:g.total] = True
+        same = bits(base_a.cpu()) == bits(base_b.cpu())
+        assert bool(same[~may_change].all()), "a write landed outside the valid rows' targets (or in the guard region)"
+
+
+@pytest.mark.parametrize("bad", ["overflow", "negative", "capacity", "position"])
+def test_error_word_inplace_deferred(bad):
+    """In-place, asynchronous default: no exception at the call; the violating row writes
+    nothing (guard regions and rows outside the targets byte-identical) and its output is NaN;
+    check_errors() raises GQAError with the flags and clears them."""
+    case, flags = _bad_inplace_case(bad)
+    before = case.clone()
+    out = case.run()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all(), "the violating row's output must be NaN"
+    _assert_untouched_except_valid_rows(before, case, written_rows=[0, 2])
+    with pytest.raises(gqa_torch.GQAError) as info:
+        gqa_torch.check_errors()
+    assert info.value.flags == flags, f"flags {info.value.flags} != {flags}"
+    assert info.value.violations == gerr.decode_flags(flags)
+    gqa_torch.check_errors()  # cleared: no second raise
+    assert int(gqa_torch._C.error_word(torch.cuda.current_device()).item()) == 0
+
+
+def test_error_word_is_sticky_until_cleared():
+    """After a flagged call, later valid calls skip their writes and output NaN, until
+    check_errors() raises and clears; then calls work again and match the reference."""
+    case, flags = _bad_inplace_case("capacity")
+    case.run()
+    good = make_case("inplace", batch=2, seq=1, num_heads=4, kv_num_heads=2, head_dim=64, capacity=16,
+                     past_lengths=[1, 2], strided=True, device="cuda", poison_unused=False)
+    for _ in range(3):
+        before = good.clone()
+        out = good.run()
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all(), "calls after a flagged one must be poisoned (NaN)"
+        _assert_untouched_except_valid_rows(before, good, written_rows=[])
+    with pytest.raises(gqa_torch.GQAError) as info:
+        gqa_torch.check_errors()
+    assert info.value.flags == flags
+    run_and_check(good, rotary_ulps=ROTARY_ULPS, suite="cuda")
+    gqa_torch.check_errors()
+
+
+@pytest.mark.parametrize("bad,flags", [("past_capacity", gerr.PAST_CAPACITY), ("negative", 6), ("capacity", 16),
+                                       ("position", 32)])
+def test_error_word_functional_raises_synchronously(bad, flags):
+    """The functional op checks the word after its launch, raises GQAError and clears it."""
+    case = make_case("functional", batch=2, seq=2, num_heads=4, kv_num_heads=2, head_dim=64, capacity=6,
+                     past_lengths=[2, 4], rotary="half", position_ids="offset", max_positions=16, device="cuda",
+                     poison_unused=False)
+    if bad == "past_capacity":
+        case.total_sequence_length = 12
+        case.seqlens_k[1] = 10  # past 9 > 6, total 11 <= 12
+    elif bad == "negative":
+        case.seqlens_k[0] = 0
+    elif bad == "capacity":
+        case.seqlens_k[0] = 6  # total 7 > C = 6, past 5 <= 6
+    else:
+        case.position_ids[0, 0] = -3
+    with pytest.raises(gqa_torch.GQAError) as info:
+        case.run()
+    assert info.value.flags == flags
+    assert "wrote nothing" in str(info.value)
+    gqa_torch.check_errors()  # already cleared
+
+
+def test_synchronous_errors_switch_makes_inplace_raise():
+    case, flags = _bad_inplace_case("negative")
+    gqa_torch.set_synchronous_errors(True)
+    assert gqa_torch.synchronous_errors()
+    before = case.clone()
+    with pytest.raises(gqa_torch.GQAError) as info:
+        case.run()
+    assert info.value.flags == flags
+    _assert_untouched_except_valid_rows(before, case, written_rows=[0, 2])
+    gqa_torch.check_errors()  # the raising call cleared it
+    gqa_torch.set_synchronous_errors(False)
+    case, flags = _bad_inplace_case("negative")
+    case.run()  # deferred again
+    with pytest.raises(gqa_torch.GQAError):
+        gqa_torch.check_errors()
+
+
+def test_check_errors_device_argument():
+    gqa_torch.check_errors(torch.device("cuda"))
+    gqa_torch.check_errors("cuda:0")
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        gqa_torch.check_errors("cpu")
+
+
+# ---- host rules that need a device ---------------------------------------------------------------
+
+def test_device_mismatch_rules():
+    case = make_case("inplace", batch=2, seq=1, head_dim=16, capacity=8, rotary="half", position_ids="offset",
+                     sink=True, device="cuda", poison_unused=False)
+    for name in ("key", "value", "cache_key", "seqlens_k", "cos_cache", "sin_cache", "position_ids", "head_sink"):
+        bad = case.clone()
+        setattr(bad, name, getattr(case, name).cpu())
+        if name == "cache_key":
+            bad.cache_value = case.cache_value.cpu()
+        arg = {"cache_key": "key_cache"}.get(name, name)
+        with pytest.raises(ValueError, match=rf"gqa: {arg}: expected a tensor on cuda:0 \(the device of query\), "
+                                             r"got one on cpu"):
+            bad.run()
+
+
+def test_odd_head_size_refused_on_cuda():
+    case = make_case("inplace", batch=1, seq=1, num_heads=2, kv_num_heads=1, head_dim=17, capacity=4, device="cuda",
+                     poison_unused=False)
+    with pytest.raises(ValueError, match=r"gqa: query: expected an even head_size on CUDA, got 17"):
+        case.run()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_half_precision_no_worse_than_sdpa(dtype):
+    """SPEC §5 on CUDA: within the dtype bound and at most 1.5x the error of
+    F.scaled_dot_product_attention on the same rounded inputs (prefill, no RoPE)."""
+    import torch.nn.functional as F
+    dt = DTYPES[dtype]
+    B, S, Hq, Hkv, D = 2, 256, 8, 2, 128
+    case = make_case("inplace", batch=B, seq=S, num_heads=Hq, kv_num_heads=Hkv, head_dim=D, capacity=S,
+                     past_lengths=[0, 0], dtype=dt, device="cuda", poison_unused=False)
+    before = case.clone()
+    ref_out, _, _ = before.reference()
+    out = case.run()
+    err = assert_output_close(out, ref_out, case, suite="cuda")
+    q = before.query.view(B, S, Hq, D).transpose(1, 2)
+    k = before.key.view(B, S, Hkv, D).transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)
+    v = before.value.view(B, S, Hkv, D).transpose(1, 2).repeat_interleave(Hq // Hkv, dim=1)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, Hq * D)
+    sdpa_err = output_error(sdpa.cpu(), ref_out)
+    assert err <= max(1.5 * sdpa_err, NORM_REL[dt] / 10), f"gqa {err:.3g} vs SDPA {sdpa_err:.3g}"
