@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# The device image sets CXX to a toolchain (/opt/gcc) that links a private copy of libstdc++
+# into extensions; its iostreams then crash on the first formatted error message. Build with
+# the system compiler, which shares the libstdc++ that torch loads.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 steps=${*:-build test sanitize bench prefill}
 status=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
