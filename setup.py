@@ -80,13 +80,9 @@ def _extension():
     sources = sorted(
         glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/torch/*.cpp")
     )
-    cxx_flags = ["-O3", "-fopenmp"]  # the C++ standard is the one torch asks for
-    # at::parallel_for needs -fopenmp when compiling. GQA_LINK_OPENMP=0 leaves libgomp out of
-    # the link (torch already loads its own); GQA_MULTIVERSION=0 turns off the CPU backend's
-    # AVX2/AVX-512 function clones. Both are escape hatches for unusual toolchains.
-    link_flags = ["-fopenmp"] if os.environ.get("GQA_LINK_OPENMP", "1") == "1" else []
-    if os.environ.get("GQA_MULTIVERSION", "1") == "0":
-        cxx_flags.append("-DGQA_NO_MULTIVERSION")
+    # The C++ standard is the one torch asks for; at::parallel_for needs OpenMP.
+    cxx_flags = ["-O3", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if not with_cuda:
         _write_build_info(False, reason, "")
         return cpp_extension.CppExtension(
@@ -108,6 +104,29 @@ def _extension():
     )
 
 
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's build, plus a check that the extension shares torch's libstdc++.
+
+    Some toolchains (seen: a GCC under /opt/gcc that CXX pointed at) link a private copy of
+    libstdc++ into shared objects. Its iostreams then crash the process on the first error
+    message the extension formats. Building with the system compiler avoids it.
+    """
+
+    def run(self):
+        super().run()
+        for ext in self.extensions:
+            path = self.get_ext_fullpath(ext.name)
+            try:
+                symbols = subprocess.check_output(["nm", "-D", "--defined-only", path], text=True)
+            except (OSError, subprocess.CalledProcessError):
+                continue
+            if "_ZNSo9_M_insertIlEERSoT_" in symbols:  # std::ostream::_M_insert<long>
+                message = (f"{path} carries its own copy of libstdc++ (compiler {os.environ.get('CXX', 'c++')}); "
+                           "it would crash on its first error message. Rebuild with the system compiler, "
+                           "e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++.")
+                raise SystemExit(f"[gqa_torch build] {message}")
+
+
 setup(
     name="gqa-torch",
     version="0.1.0",
@@ -115,7 +134,7 @@ setup(
     packages=["gqa_torch"],
     package_data={"gqa_torch": ["py.typed"]},
     ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
 )

@@ -1,5 +1,4 @@
 #include "backend.h"
-#include "check.h"
 
 #include <atomic>
 #include <mutex>
@@ -29,14 +28,14 @@ bool synchronous_errors() { return g_synchronous_errors; }
 bool built_with_cuda() { return false; }
 
 void run_cuda(Params&, const at::Tensor&, bool) {
-  GQA_RAISE(Error,
+  TORCH_CHECK(false,
               "gqa: this build of gqa_torch has no CUDA kernels (it was built CPU-only, see "
               "gqa_torch.build_info()); rebuild with a CUDA-enabled torch and a matching nvcc, or call "
               "the op on CPU tensors");
 }
 
 at::Tensor error_word(int64_t) {
-  GQA_RAISE(Error, "gqa: the error word exists only in a CUDA build (gqa_torch.build_info())");
+  TORCH_CHECK(false, "gqa: the error word exists only in a CUDA build (gqa_torch.build_info())");
 }
 
 #else
@@ -48,7 +47,7 @@ std::mutex g_word_mutex;
 uint32_t* g_words[kMaxDevices] = {};
 
 void check_cuda(cudaError_t status, const char* what) {
-  GQA_CHECK(status == cudaSuccess, "gqa: ", what, " failed: ", cudaGetErrorString(status));
+  TORCH_CHECK(status == cudaSuccess, "gqa: ", what, " failed: ", cudaGetErrorString(status));
 }
 
 bool stream_is_capturing(cudaStream_t stream) {
@@ -60,10 +59,10 @@ bool stream_is_capturing(cudaStream_t stream) {
 // The word lives outside the caching allocator so that its address never changes: graphs
 // captured now keep reading and writing the same word on every replay.
 uint32_t* device_word(int device, cudaStream_t stream) {
-  GQA_CHECK(device >= 0 && device < kMaxDevices, "gqa: device index ", device, " out of range");
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "gqa: device index ", device, " out of range");
   std::lock_guard<std::mutex> lock(g_word_mutex);
   if (g_words[device] == nullptr) {
-    GQA_CHECK(!stream_is_capturing(stream),
+    TORCH_CHECK(!stream_is_capturing(stream),
                 "gqa: the first gqa call on cuda:", device,
                 " happened inside CUDA-graph capture; run one call (or gqa_torch.check_errors()) on this "
                 "device before capturing, as the usual warm-up does");
@@ -107,7 +106,7 @@ at::Tensor error_word(int64_t device_index) {
 }
 
 void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
-  GQA_CHECK_VALUE(p.head_dim % 2 == 0, "gqa: query: expected an even head_size on CUDA, got ", p.head_dim);
+  TORCH_CHECK_VALUE(p.head_dim % 2 == 0, "gqa: query: expected an even head_size on CUDA, got ", p.head_dim);
   const int device = query.get_device();
   c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
@@ -126,7 +125,7 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     if (flags != 0) {
       check_cuda(cudaMemsetAsync(p.error_word, 0, sizeof(uint32_t), stream), "clearing the error word");
-      GQA_RAISE(ValueError, "[gqa-error-flags=", flags, "] gqa: bad seqlens_k/position_ids on cuda:", device,
+      TORCH_CHECK_VALUE(false, "[gqa-error-flags=", flags, "] gqa: bad seqlens_k/position_ids on cuda:", device,
                         ": ", describe_flags(flags),
                         ". The violating rows wrote nothing and their outputs are NaN; the flags are now cleared");
     }

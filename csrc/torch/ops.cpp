@@ -5,7 +5,6 @@
 #include "../core/errors.h"
 #include "../cpu/gqa_cpu.h"
 #include "backend.h"
-#include "check.h"
 #include "params_builder.h"
 
 namespace gqa {
@@ -36,7 +35,7 @@ void run_cpu_checked(const Params& p) {
   const std::string problem = cpu::validate_rows(p);
   if (!problem.empty()) {
     const uint32_t flags = cpu_row_flags(p);
-    GQA_RAISE(ValueError, error_tag(flags), "gqa: ", problem);
+    TORCH_CHECK_VALUE(false, error_tag(flags), "gqa: ", problem);
   }
   cpu::run(p);
 }

@@ -1,6 +1,5 @@
 #include "params_builder.h"
 
-#include "check.h"
 
 #include <cmath>
 #include <limits>
@@ -13,26 +12,26 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
 
 void check_fits_int32(int64_t value, const char* what) {
-  GQA_CHECK_VALUE(value <= kInt32Max, "gqa: ", what, " = ", value,
+  TORCH_CHECK_VALUE(value <= kInt32Max, "gqa: ", what, " = ", value,
                     " overflows 32-bit indexing; expected at most ", kInt32Max);
 }
 
 void check_same_device(const at::Tensor& t, const at::Tensor& query, const char* name) {
-  GQA_CHECK_VALUE(t.device() == query.device(), "gqa: ", name, ": expected a tensor on ",
+  TORCH_CHECK_VALUE(t.device() == query.device(), "gqa: ", name, ": expected a tensor on ",
                     query.device(), " (the device of query), got one on ", t.device());
 }
 
 void check_float_dtype(const at::Tensor& t, const at::Tensor& query, const char* name) {
-  GQA_CHECK_TYPE(t.scalar_type() == query.scalar_type(), "gqa: ", name,
+  TORCH_CHECK_TYPE(t.scalar_type() == query.scalar_type(), "gqa: ", name,
                    ": expected dtype ", query.scalar_type(), " (the dtype of query), got ",
                    t.scalar_type());
 }
 
 // A [B, S, hidden] activation whose hidden dim is contiguous; batch/token strides are free.
 void check_activation(const at::Tensor& t, const char* name) {
-  GQA_CHECK_VALUE(t.dim() == 3, "gqa: ", name, ": expected a 3-D tensor [batch, sequence, hidden], got shape ",
+  TORCH_CHECK_VALUE(t.dim() == 3, "gqa: ", name, ": expected a 3-D tensor [batch, sequence, hidden], got shape ",
                     shape_str(t));
-  GQA_CHECK_VALUE(t.size(2) <= 1 || t.stride(2) == 1, "gqa: ", name,
+  TORCH_CHECK_VALUE(t.size(2) <= 1 || t.stride(2) == 1, "gqa: ", name,
                     ": expected the hidden dimension to be contiguous (stride 1), got strides ",
                     c10::str(t.strides()));
 }
@@ -44,14 +43,14 @@ void check_cache(const at::Tensor& t, const at::Tensor& query, const char* name,
   check_float_dtype(t, query, name);
   const char* layout = kv_layout == 0 ? "BNSH [batch, kv_num_heads, capacity, head_size]"
                                       : "BSNH [batch, capacity, kv_num_heads, head_size]";
-  GQA_CHECK_VALUE(t.dim() == 4, "gqa: ", name, ": expected a 4-D ", layout, " tensor, got shape ",
+  TORCH_CHECK_VALUE(t.dim() == 4, "gqa: ", name, ": expected a 4-D ", layout, " tensor, got shape ",
                     shape_str(t));
   const int64_t heads_dim = kv_layout == 0 ? 1 : 2;
-  GQA_CHECK_VALUE(t.size(0) == batch && t.size(heads_dim) == kv_heads && t.size(3) == head_dim,
+  TORCH_CHECK_VALUE(t.size(0) == batch && t.size(heads_dim) == kv_heads && t.size(3) == head_dim,
                     "gqa: ", name, ": expected ", layout, " with batch=", batch,
                     ", kv_num_heads=", kv_heads, ", head_size=", head_dim, ", got shape ",
                     shape_str(t));
-  GQA_CHECK_VALUE(t.size(3) <= 1 || t.stride(3) == 1, "gqa: ", name,
+  TORCH_CHECK_VALUE(t.size(3) <= 1 || t.stride(3) == 1, "gqa: ", name,
                     ": expected the head_size dimension to be contiguous (stride 1), got strides ",
                     c10::str(t.strides()));
 }
@@ -72,8 +71,9 @@ DType to_dtype(at::ScalarType t) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
-    default: GQA_RAISE(TypeError, "gqa: unsupported dtype ", t);
+    default: break;
   }
+  TORCH_CHECK_TYPE(false, "gqa: unsupported dtype ", t);
 }
 
 std::vector<int64_t> cache_shape(int64_t batch, int64_t kv_heads, int64_t capacity,
@@ -87,27 +87,27 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   Params p;
 
   // ---- attributes -----------------------------------------------------------------------
-  GQA_CHECK_VALUE(in.num_heads > 0, "gqa: num_heads: expected a positive head count, got ", in.num_heads);
-  GQA_CHECK_VALUE(in.kv_num_heads > 0, "gqa: kv_num_heads: expected a positive head count, got ",
+  TORCH_CHECK_VALUE(in.num_heads > 0, "gqa: num_heads: expected a positive head count, got ", in.num_heads);
+  TORCH_CHECK_VALUE(in.kv_num_heads > 0, "gqa: kv_num_heads: expected a positive head count, got ",
                     in.kv_num_heads);
-  GQA_CHECK_VALUE(in.num_heads % in.kv_num_heads == 0, "gqa: num_heads: expected a multiple of kv_num_heads (",
+  TORCH_CHECK_VALUE(in.num_heads % in.kv_num_heads == 0, "gqa: num_heads: expected a multiple of kv_num_heads (",
                     in.kv_num_heads, "), got ", in.num_heads);
-  GQA_CHECK_VALUE(in.local_window_size == -1 || in.local_window_size > 0,
+  TORCH_CHECK_VALUE(in.local_window_size == -1 || in.local_window_size > 0,
                     "gqa: local_window_size: expected -1 (off) or a positive window, got ", in.local_window_size);
   check_fits_int32(in.local_window_size, "local_window_size");
-  GQA_CHECK_VALUE(std::isfinite(in.softcap) && in.softcap >= 0.0,
+  TORCH_CHECK_VALUE(std::isfinite(in.softcap) && in.softcap >= 0.0,
                     "gqa: softcap: expected a finite value >= 0 (0 = off), got ", in.softcap);
-  GQA_CHECK_VALUE(std::isfinite(in.scale), "gqa: scale: expected a finite value (0 = 1/sqrt(head_size)), got ",
+  TORCH_CHECK_VALUE(std::isfinite(in.scale), "gqa: scale: expected a finite value (0 = 1/sqrt(head_size)), got ",
                     in.scale);
-  GQA_CHECK_VALUE(in.kv_layout == 0 || in.kv_layout == 1,
+  TORCH_CHECK_VALUE(in.kv_layout == 0 || in.kv_layout == 1,
                     "gqa: kv_layout: expected 0 (BNSH) or 1 (BSNH), got ", in.kv_layout);
 
   // ---- query / key / value --------------------------------------------------------------
-  GQA_CHECK_TYPE(query.scalar_type() == at::kFloat || query.scalar_type() == at::kHalf ||
+  TORCH_CHECK_TYPE(query.scalar_type() == at::kFloat || query.scalar_type() == at::kHalf ||
                        query.scalar_type() == at::kBFloat16,
                    "gqa: query: expected dtype float32, float16 or bfloat16, got ", query.scalar_type());
   check_activation(query, "query");
-  GQA_CHECK_VALUE(in.key.has_value() == in.value.has_value(),
+  TORCH_CHECK_VALUE(in.key.has_value() == in.value.has_value(),
                     "gqa: key/value: expected both present or both absent (packed QKV), got key ",
                     in.key.has_value() ? "present" : "absent", " and value ",
                     in.value.has_value() ? "present" : "absent");
@@ -116,12 +116,12 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   const int64_t seq = query.size(1);
   const int64_t hidden = query.size(2);
   const int64_t heads_in_query = packed ? in.num_heads + 2 * in.kv_num_heads : in.num_heads;
-  GQA_CHECK_VALUE(hidden > 0 && hidden % heads_in_query == 0, "gqa: query: expected hidden size ",
+  TORCH_CHECK_VALUE(hidden > 0 && hidden % heads_in_query == 0, "gqa: query: expected hidden size ",
                     packed ? "(num_heads + 2*kv_num_heads)*head_size = (" : "num_heads*head_size = (",
                     heads_in_query, ")*head_size, got ", hidden, " (shape ", shape_str(query), ")");
   const int64_t head_dim = hidden / heads_in_query;
-  GQA_CHECK_VALUE(batch > 0, "gqa: query: expected batch >= 1, got shape ", shape_str(query));
-  GQA_CHECK_VALUE(seq > 0, "gqa: query: expected sequence length >= 1, got shape ", shape_str(query));
+  TORCH_CHECK_VALUE(batch > 0, "gqa: query: expected batch >= 1, got shape ", shape_str(query));
+  TORCH_CHECK_VALUE(seq > 0, "gqa: query: expected sequence length >= 1, got shape ", shape_str(query));
   check_fits_int32(batch, "batch");
   check_fits_int32(seq, "sequence length");
   check_fits_int32(batch * in.num_heads * seq, "batch*num_heads*sequence_length");
@@ -153,7 +153,7 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
       check_same_device(t, query, names[i]);
       check_float_dtype(t, query, names[i]);
       check_activation(t, names[i]);
-      GQA_CHECK_VALUE(t.size(0) == batch && t.size(1) == seq && t.size(2) == in.kv_num_heads * head_dim,
+      TORCH_CHECK_VALUE(t.size(0) == batch && t.size(1) == seq && t.size(2) == in.kv_num_heads * head_dim,
                         "gqa: ", names[i], ": expected shape [", batch, ", ", seq, ", ",
                         in.kv_num_heads * head_dim, "] ([batch, sequence_length of query, kv_num_heads*head_size]), got ",
                         shape_str(t));
@@ -167,7 +167,7 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   // ---- caches ---------------------------------------------------------------------------
   const char* key_name = inplace ? "key_cache" : "past_key";
   const char* value_name = inplace ? "value_cache" : "past_value";
-  GQA_CHECK_VALUE((in.past_key != nullptr) == (in.past_value != nullptr), "gqa: ", key_name, "/",
+  TORCH_CHECK_VALUE((in.past_key != nullptr) == (in.past_value != nullptr), "gqa: ", key_name, "/",
                     value_name, ": expected both present or both absent, got ", key_name, " ",
                     in.past_key ? "present" : "absent", " and ", value_name, " ",
                     in.past_value ? "present" : "absent");
@@ -175,23 +175,23 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   if (in.past_key != nullptr) {
     check_cache(*in.past_key, query, key_name, batch, in.kv_num_heads, head_dim, in.kv_layout);
     check_cache(*in.past_value, query, value_name, batch, in.kv_num_heads, head_dim, in.kv_layout);
-    GQA_CHECK_VALUE(in.past_key->sizes() == in.past_value->sizes(), "gqa: ", value_name,
+    TORCH_CHECK_VALUE(in.past_key->sizes() == in.past_value->sizes(), "gqa: ", value_name,
                       ": expected the shape of ", key_name, " ", shape_str(*in.past_key), ", got ",
                       shape_str(*in.past_value));
-    GQA_CHECK_VALUE(in.past_key->strides() == in.past_value->strides(), "gqa: ", value_name,
+    TORCH_CHECK_VALUE(in.past_key->strides() == in.past_value->strides(), "gqa: ", value_name,
                       ": expected the strides of ", key_name, " ", c10::str(in.past_key->strides()),
                       ", got ", c10::str(in.past_value->strides()));
     past_rows = in.past_key->size(in.kv_layout == 0 ? 2 : 1);
     check_fits_int32(past_rows, inplace ? "cache capacity" : "past capacity");
   }
   if (inplace) {
-    GQA_CHECK_VALUE(in.past_key != nullptr, "gqa: key_cache: expected a cache tensor, got none");
-    GQA_CHECK_VALUE(past_rows > 0, "gqa: key_cache: expected a capacity >= 1, got shape ",
+    TORCH_CHECK_VALUE(in.past_key != nullptr, "gqa: key_cache: expected a cache tensor, got none");
+    TORCH_CHECK_VALUE(past_rows > 0, "gqa: key_cache: expected a capacity >= 1, got shape ",
                       shape_str(*in.past_key));
     p.capacity = static_cast<int32_t>(past_rows);
     p.past_capacity = 0;
   } else {
-    GQA_CHECK_VALUE(total_sequence_length >= 0,
+    TORCH_CHECK_VALUE(total_sequence_length >= 0,
                       "gqa: total_sequence_length: expected a value >= 0, got ", total_sequence_length);
     check_fits_int32(total_sequence_length, "total_sequence_length");
     p.past_capacity = static_cast<int32_t>(past_rows);
@@ -207,14 +207,14 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   // ---- seqlens_k --------------------------------------------------------------------------
   const at::Tensor& seqlens = in.seqlens_k;
   check_same_device(seqlens, query, "seqlens_k");
-  GQA_CHECK_TYPE(seqlens.scalar_type() == at::kInt, "gqa: seqlens_k: expected dtype int32, got ",
+  TORCH_CHECK_TYPE(seqlens.scalar_type() == at::kInt, "gqa: seqlens_k: expected dtype int32, got ",
                    seqlens.scalar_type());
   const bool shape_ok = (seqlens.dim() == 1 && seqlens.size(0) == batch) ||
                         (seqlens.dim() == 2 && seqlens.size(0) == batch && seqlens.size(1) == 1) ||
                         (seqlens.dim() == 0 && batch == 1);
-  GQA_CHECK_VALUE(shape_ok, "gqa: seqlens_k: expected shape [", batch, "] or [", batch,
+  TORCH_CHECK_VALUE(shape_ok, "gqa: seqlens_k: expected shape [", batch, "] or [", batch,
                     ", 1]", batch == 1 ? " or a scalar" : "", ", got ", shape_str(seqlens));
-  GQA_CHECK_VALUE(seqlens.is_contiguous(), "gqa: seqlens_k: expected a contiguous tensor, got strides ",
+  TORCH_CHECK_VALUE(seqlens.is_contiguous(), "gqa: seqlens_k: expected a contiguous tensor, got strides ",
                     c10::str(seqlens.strides()));
   p.seqlens_k = seqlens.data_ptr<int32_t>();
 
@@ -222,7 +222,7 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   p.do_rotary = in.do_rotary;
   p.rotary_interleaved = in.rotary_interleaved;
   if (in.do_rotary) {
-    GQA_CHECK_VALUE(in.cos_cache.has_value() && in.sin_cache.has_value(),
+    TORCH_CHECK_VALUE(in.cos_cache.has_value() && in.sin_cache.has_value(),
                       "gqa: cos_cache/sin_cache: expected both when do_rotary=True, got cos_cache ",
                       in.cos_cache.has_value() ? "present" : "absent", " and sin_cache ",
                       in.sin_cache.has_value() ? "present" : "absent");
@@ -230,25 +230,25 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
     const at::Tensor& sin = *in.sin_cache;
     check_same_device(cos, query, "cos_cache");
     check_same_device(sin, query, "sin_cache");
-    GQA_CHECK_VALUE(cos.dim() == 2, "gqa: cos_cache: expected a 2-D tensor [max_positions, rotary_dim/2], got shape ",
+    TORCH_CHECK_VALUE(cos.dim() == 2, "gqa: cos_cache: expected a 2-D tensor [max_positions, rotary_dim/2], got shape ",
                       shape_str(cos));
-    GQA_CHECK_VALUE(sin.sizes() == cos.sizes(), "gqa: sin_cache: expected the shape of cos_cache ",
+    TORCH_CHECK_VALUE(sin.sizes() == cos.sizes(), "gqa: sin_cache: expected the shape of cos_cache ",
                       shape_str(cos), ", got ", shape_str(sin));
-    GQA_CHECK_TYPE(sin.scalar_type() == cos.scalar_type(), "gqa: sin_cache: expected the dtype of cos_cache ",
+    TORCH_CHECK_TYPE(sin.scalar_type() == cos.scalar_type(), "gqa: sin_cache: expected the dtype of cos_cache ",
                      cos.scalar_type(), ", got ", sin.scalar_type());
     const bool dtype_ok = cos.scalar_type() == at::kFloat ||
                           (cos.scalar_type() == query.scalar_type() && query.scalar_type() != at::kFloat);
-    GQA_CHECK_TYPE(dtype_ok, "gqa: cos_cache: expected dtype float32",
+    TORCH_CHECK_TYPE(dtype_ok, "gqa: cos_cache: expected dtype float32",
                      query.scalar_type() != at::kFloat ? c10::str(" or ", query.scalar_type()) : std::string(),
                      ", got ", cos.scalar_type());
-    GQA_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous(),
+    TORCH_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous(),
                       "gqa: cos_cache/sin_cache: expected contiguous tensors, got strides ",
                       c10::str(cos.strides()), " and ", c10::str(sin.strides()));
     const int64_t rotary_dim = 2 * cos.size(1);
-    GQA_CHECK_VALUE(rotary_dim >= 2 && rotary_dim <= head_dim,
+    TORCH_CHECK_VALUE(rotary_dim >= 2 && rotary_dim <= head_dim,
                       "gqa: cos_cache: expected width rotary_dim/2 with 2 <= rotary_dim <= head_size (",
                       head_dim, "), got width ", cos.size(1), " (shape ", shape_str(cos), ")");
-    GQA_CHECK_VALUE(cos.size(0) > 0, "gqa: cos_cache: expected at least one position row, got shape ",
+    TORCH_CHECK_VALUE(cos.size(0) > 0, "gqa: cos_cache: expected at least one position row, got shape ",
                       shape_str(cos));
     check_fits_int32(cos.size(0), "cos_cache rows");
     p.rotary_dim = static_cast<int32_t>(rotary_dim);
@@ -260,12 +260,12 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   if (in.position_ids.has_value()) {
     const at::Tensor& pos = *in.position_ids;
     check_same_device(pos, query, "position_ids");
-    GQA_CHECK_TYPE(pos.scalar_type() == at::kLong, "gqa: position_ids: expected dtype int64, got ",
+    TORCH_CHECK_TYPE(pos.scalar_type() == at::kLong, "gqa: position_ids: expected dtype int64, got ",
                      pos.scalar_type());
-    GQA_CHECK_VALUE(pos.dim() == 2 && pos.size(0) == batch && pos.size(1) == seq,
+    TORCH_CHECK_VALUE(pos.dim() == 2 && pos.size(0) == batch && pos.size(1) == seq,
                       "gqa: position_ids: expected shape [", batch, ", ", seq, "] ([batch, sequence_length]), got ",
                       shape_str(pos));
-    GQA_CHECK_VALUE(pos.is_contiguous(), "gqa: position_ids: expected a contiguous tensor, got strides ",
+    TORCH_CHECK_VALUE(pos.is_contiguous(), "gqa: position_ids: expected a contiguous tensor, got strides ",
                       c10::str(pos.strides()));
     // Positions only steer RoPE; without it they are accepted and ignored, as in ORT.
     if (in.do_rotary) p.position_ids = pos.data_ptr<int64_t>();
@@ -273,11 +273,11 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   if (in.head_sink.has_value()) {
     const at::Tensor& sink = *in.head_sink;
     check_same_device(sink, query, "head_sink");
-    GQA_CHECK_TYPE(sink.scalar_type() == at::kFloat, "gqa: head_sink: expected dtype float32, got ",
+    TORCH_CHECK_TYPE(sink.scalar_type() == at::kFloat, "gqa: head_sink: expected dtype float32, got ",
                      sink.scalar_type());
-    GQA_CHECK_VALUE(sink.dim() == 1 && sink.size(0) == in.num_heads, "gqa: head_sink: expected shape [",
+    TORCH_CHECK_VALUE(sink.dim() == 1 && sink.size(0) == in.num_heads, "gqa: head_sink: expected shape [",
                       in.num_heads, "] ([num_heads]), got ", shape_str(sink));
-    GQA_CHECK_VALUE(sink.is_contiguous(), "gqa: head_sink: expected a contiguous tensor");
+    TORCH_CHECK_VALUE(sink.is_contiguous(), "gqa: head_sink: expected a contiguous tensor");
     p.head_sink = sink.data_ptr<float>();
   }
 
