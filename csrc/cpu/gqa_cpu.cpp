@@ -550,27 +550,38 @@ std::string describe_row_error(const Params& p, int b, const RowGeometry& g) {
 
 }  // namespace
 
-std::string validate_rows(const Params& p) {
+std::string validate_rows(const Params& p, uint32_t* flags) {
+  std::string first_problem;
+  uint32_t all_flags = 0;
   for (int b = 0; b < p.batch; ++b) {
     const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
-    if (g.flags != 0) return describe_row_error(p, b, g);
-    if (!p.do_rotary) continue;
-    // Every new token is rotated on the key side, first-prompt padding included.
-    for (int s = 0; s < p.query_len; ++s) {
-      const int64_t pos = rotary_position(p, g, b, s);
-      if (position_in_range(p, pos)) continue;
-      const std::string outside = " is outside the cos_cache/sin_cache rows [0, " +
-                                  std::to_string(p.max_positions) + ")";
-      const std::string row = std::to_string(b), token = std::to_string(s);
-      if (p.position_ids != nullptr)
-        return "position_ids[" + row + ", " + token + "] = " + std::to_string(pos) + outside +
-               flag_words(kErrPosition);
-      return "seqlens_k[" + row + "] = " + std::to_string(p.seqlens_k[b]) +
-             " gives rotary position " + std::to_string(pos) + " of row " + row + " (token " +
-             token + "), which" + outside + flag_words(kErrPosition);
+    std::string problem;
+    if (g.flags != 0) {
+      all_flags |= g.flags;
+      problem = describe_row_error(p, b, g);
+    } else if (p.do_rotary) {
+      // Every new token is rotated on the key side, first-prompt padding included.
+      for (int s = 0; s < p.query_len && problem.empty(); ++s) {
+        const int64_t pos = rotary_position(p, g, b, s);
+        if (position_in_range(p, pos)) continue;
+        all_flags |= kErrPosition;
+        const std::string outside = " is outside the cos_cache/sin_cache rows [0, " +
+                                    std::to_string(p.max_positions) + ")";
+        const std::string row = std::to_string(b), token = std::to_string(s);
+        if (p.position_ids != nullptr) {
+          problem = "position_ids[" + row + ", " + token + "] = " + std::to_string(pos) + outside +
+                    flag_words(kErrPosition);
+        } else {
+          problem = "seqlens_k[" + row + "] = " + std::to_string(p.seqlens_k[b]) + " gives rotary position " +
+                    std::to_string(pos) + " of row " + row + " (token " + token + "), which" + outside +
+                    flag_words(kErrPosition);
+        }
+      }
     }
+    if (first_problem.empty()) first_problem = problem;
   }
-  return "";
+  if (flags != nullptr) *flags = all_flags;
+  return first_problem;
 }
 
 void run(const Params& p) {

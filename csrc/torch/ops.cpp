@@ -13,30 +13,10 @@ namespace {
 // The tag Python looks for to turn a data-dependent failure into gqa_torch.GQAError.
 std::string error_tag(uint32_t flags) { return c10::str("[gqa-error-flags=", flags, "] "); }
 
-// The SPEC §4 flags of a whole call: each row's bounds, and for rows whose bounds hold, the
-// rotary positions (a row with bad bounds has no meaningful positions to check).
-uint32_t cpu_row_flags(const Params& p) {
-  uint32_t flags = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
-    flags |= g.flags;
-    if (g.flags != 0 || !p.do_rotary) continue;
-    for (int s = 0; s < p.query_len; ++s) {
-      if (!position_in_range(p, rotary_position(p, g, b, s))) {
-        flags |= kErrPosition;
-        break;
-      }
-    }
-  }
-  return flags;
-}
-
 void run_cpu_checked(const Params& p) {
-  const std::string problem = cpu::validate_rows(p);
-  if (!problem.empty()) {
-    const uint32_t flags = cpu_row_flags(p);
-    TORCH_CHECK_VALUE(false, error_tag(flags), "gqa: ", problem);
-  }
+  uint32_t flags = 0;
+  const std::string problem = cpu::validate_rows(p, &flags);
+  TORCH_CHECK_VALUE(problem.empty(), error_tag(flags), "gqa: ", problem);
   cpu::run(p);
 }
 
