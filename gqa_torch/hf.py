@@ -77,6 +77,16 @@ SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Atten
 # Key-slot states written by gqa_mask and read by the attention functions.
 EMPTY, PAST, NEW, NEW_PAD = 0, 1, 2, 3
 
+# transformers 5.24 renamed the cache argument of the model, decoder-layer and attention forwards and of
+# generation (``past_key_values`` -> ``cache``; the old name still works there, with a FutureWarning).
+# The name in use is read off the signature of the function that takes it, not off the version.
+_CACHE_ARG, _OLD_CACHE_ARG = "cache", "past_key_values"
+
+
+def _cache_arg_name(fn: Callable) -> str:
+    """The name under which ``fn`` (an HF forward or ``prepare_inputs_for_generation``) takes the cache."""
+    return _CACHE_ARG if _CACHE_ARG in inspect.signature(fn).parameters else _OLD_CACHE_ARG
+
 
 # ---- the mask function ----------------------------------------------------------------------
 
@@ -356,6 +366,7 @@ class _FusedAttention:
     def __init__(self, module: nn.Module, config: Any, rope: RopeTables, original_forward: Callable,
                  fuse_qkv: bool) -> None:
         self.original_forward = original_forward
+        self.cache_arg = _cache_arg_name(original_forward)
         self.rope = rope
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -416,11 +427,16 @@ def _fuse_projections(module: nn.Module) -> bool:
 
 
 def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
-                   past_key_values=None, **kwargs):
-    """The patched forward of an HF attention layer (bound to the layer by :func:`enable`)."""
+                   *args, **kwargs):
+    """The patched forward of an HF attention layer (bound to the layer by :func:`enable`).
+
+    Takes the original forward's arguments. The cache is its fourth parameter, named
+    ``past_key_values`` or ``cache`` depending on the transformers version (see :func:`_cache_arg_name`);
+    the old name is also looked up where HF still accepts it as an alias."""
     fused: _FusedAttention = self._gqa_fused
-    if not isinstance(past_key_values, GQACache):
-        return fused.original_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    cache = args[0] if args else kwargs.get(fused.cache_arg, kwargs.get(_OLD_CACHE_ARG))
+    if not isinstance(cache, GQACache):
+        return fused.original_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     B, S, _ = hidden_states.shape
     q, k, v = fused.project(self, hidden_states)
     position_ids = kwargs.get("position_ids")
@@ -442,7 +458,7 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
                 position_ids = position_ids.gather(1, order)
     if position_ids is not None:
         position_ids = position_ids.contiguous()
-    kv = past_key_values.kv
+    kv = cache.kv
     layer = self.layer_idx
     seqlens_k = kv.seqlens_k(layer, S)
     key_cache, value_cache = kv.layer(layer)
@@ -452,7 +468,7 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
         num_heads=fused.num_heads, kv_num_heads=fused.kv_heads, scale=fused.scale, do_rotary=True,
         local_window_size=fused.window, softcap=fused.softcap, kv_layout=kv.kv_layout)
     kv.advance(layer, new_tokens)
-    past_key_values.seen[layer].add_(S)
+    cache.seen[layer].add_(S)
     if order is not None:
         out = _gather_rows(out, torch.argsort(order, dim=-1))
     return self.o_proj(out), None
@@ -494,10 +510,10 @@ def enable(model: nn.Module, *, fuse_qkv: bool = True, max_positions: Optional[i
     - Patches the attention layers of the supported families (:data:`SUPPORTED_ATTENTION_CLASSES`)
       to the fused route (RoPE + cache append + attention in one call) when they get a
       :class:`GQACache`.
-    - Makes ``generate()`` allocate a :class:`GQACache` (unless you pass ``past_key_values`` or
-      ``use_cache=False``). The cache is static and marked compileable, so on CUDA
-      ``generate()`` compiles the decode step as it does for HF's ``StaticCache``
-      (``generation_config.disable_compile=True`` turns that off).
+    - Makes ``generate()`` allocate a :class:`GQACache` (unless you pass a cache, as ``cache=`` or
+      ``past_key_values=`` depending on the transformers version, or ``use_cache=False``). The
+      cache is static and marked compileable, so on CUDA ``generate()`` compiles the decode step
+      as it does for HF's ``StaticCache`` (``generation_config.disable_compile=True`` turns that off).
 
     ``fuse_qkv`` fuses the Q/K/V projections into one GEMM (the three weights become views of
     the fused one). ``max_positions`` sizes the RoPE tables (default: the config's
@@ -559,13 +575,16 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs: Dict[st
     bound = inspect.signature(hf_impl).bind(self, generation_config, model_kwargs, *args, **kwargs)
     batch_size = bound.arguments.get("batch_size")
     max_cache_length = bound.arguments.get("max_cache_length")
-    if (model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False
+    # generate() keeps the cache in model_kwargs under the name its model inputs take it by
+    # (generate() itself already renamed a caller's deprecated past_key_values= to it).
+    cache_arg = _cache_arg_name(self.prepare_inputs_for_generation)
+    if (model_kwargs.get(cache_arg) is not None or generation_config.use_cache is False
             or batch_size is None or max_cache_length is None):
         return hf_impl(self, generation_config, model_kwargs, *args, **kwargs)
     if getattr(generation_config, "max_cache_len", None):
         max_cache_length = max(max_cache_length, generation_config.max_cache_len)
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
-    model_kwargs["past_key_values"] = GQACache.for_model(self, rows, max_cache_length)
+    model_kwargs[cache_arg] = GQACache.for_model(self, rows, max_cache_length)
 
 
 register()
