@@ -97,8 +97,19 @@ Params build_params(const OpInputs& in, bool inplace, int64_t total_sequence_len
   check_fits_int32(in.local_window_size, "local_window_size");
   TORCH_CHECK_VALUE(std::isfinite(in.softcap) && in.softcap >= 0.0,
                     "gqa: softcap: expected a finite value >= 0 (0 = off), got ", in.softcap);
+  // Both are used as float32 (as in ORT, whose attributes are floats): a value that is finite as
+  // a double but not as a float would turn into inf (NaN outputs), and a positive softcap that
+  // rounds to 0 would silently switch the cap off.
+  TORCH_CHECK_VALUE(in.softcap == 0.0 || (std::isfinite(static_cast<float>(in.softcap)) &&
+                                          static_cast<float>(in.softcap) > 0.f),
+                    "gqa: softcap: expected 0 (off) or a value float32 can hold (",
+                    std::numeric_limits<float>::denorm_min(), " to ", std::numeric_limits<float>::max(),
+                    "), got ", in.softcap);
   TORCH_CHECK_VALUE(std::isfinite(in.scale), "gqa: scale: expected a finite value (0 = 1/sqrt(head_size)), got ",
                     in.scale);
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(in.scale)),
+                    "gqa: scale: expected a value float32 can hold (|scale| <= ", std::numeric_limits<float>::max(),
+                    "), got ", in.scale);
   TORCH_CHECK_VALUE(in.kv_layout == 0 || in.kv_layout == 1,
                     "gqa: kv_layout: expected 0 (BNSH) or 1 (BSNH), got ", in.kv_layout);
 
