@@ -64,7 +64,7 @@ if _TESTS not in sys.path:
 
 import gqa_torch  # noqa: E402
 from gqa_torch import errors as gqa_errors  # noqa: E402
-from reference import reference_gqa_  # noqa: E402  (tests/reference.py: the float64 judge)
+from reference import output_error, reference_gqa_  # noqa: E402  (tests/reference.py: the float64 judge)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # SPEC §5: fp32 max relative error; fp16/bf16 norm-wise relative error (per batch row).
@@ -148,22 +148,6 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _output_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """fp32: max|d|/max|ref|; fp16/bf16: ||d||/||ref||; per batch row, worst row (SPEC §5)."""
-    out64, ref64 = out.detach().double().cpu(), ref.double().cpu()
-    worst = 0.0
-    for b in range(ref64.shape[0]):
-        o, r = out64[b], ref64[b]
-        if out.dtype == torch.float32:
-            err = (o - r).abs().max().item() / max(r.abs().max().item(), 1e-30)
-        else:
-            err = (o - r).norm().item() / max(r.norm().item(), 1e-30)
-        if math.isnan(err):
-            return math.inf
-        worst = max(worst, err)
-    return worst
 
 
 def _compare_cache(name: str, actual: torch.Tensor, expected: torch.Tensor, new_rows: List[Tuple[int, int]],
@@ -402,7 +386,7 @@ def _check_reference(step, inputs, snapshot, out, kc, vc, cos_cache, sin_cache, 
     cpu = [t.cpu() if t is not None else None for t in inputs]
     ref_out, ref_k, ref_v = reference_gqa_(*cpu, k_before, v_before, seqlens, cos_cache.cpu(), sin_cache.cpu(),
                                            None, head_sink.cpu(), **attrs)
-    err = _output_error(out, ref_out)
+    err = output_error(out, ref_out)
     if not err <= tol:
         raise SoakFailure(f"step {step}: output error vs the float64 reference {err:.3g} > {tol:.3g}")
     new_rows = [(b, int(s)) for b, s in enumerate(seqlens.tolist())]

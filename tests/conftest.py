@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gqa_torch
-from reference import is_first_prompt, reference_gqa, reference_gqa_, reference_row_geometry, to_bnsh
+from reference import is_first_prompt, output_error, reference_gqa, reference_gqa_, reference_row_geometry, to_bnsh  # noqa: F401  (output_error: re-exported for the tests)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -395,21 +395,17 @@ def make_case(
 
 # ---- comparison helpers -----------------------------------------------------------------------
 
-def output_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """fp32: max |out - ref| / max |ref| (per batch row, worst row). fp16/bf16: ‖out - ref‖ /
-    ‖ref‖ (per batch row, worst row). Per row, so one bad row of a big batch still shows."""
-    out64, ref64 = out.detach().double().cpu(), ref.double().cpu()
-    worst = 0.0
-    for b in range(ref64.shape[0]):
-        o, r = out64[b], ref64[b]
-        if out.dtype == torch.float32:
-            err = (o - r).abs().max().item() / max(r.abs().max().item(), 1e-30)
-        else:
-            err = (o - r).norm().item() / max(r.norm().item(), 1e-30)
-        if math.isnan(err):
-            return math.inf
-        worst = max(worst, err)
-    return worst
+def call_op(op: str, a: dict):
+    """Calls the wrapper of `op` ("functional" or "inplace") with the arguments of a dict of the
+    shape the validation and fuzz tests build (tensors by name, attributes under "attrs")."""
+    attrs = a["attrs"]
+    if op == "functional":
+        return gqa_torch.group_query_attention(
+            a["query"], a["key"], a["value"], a["cache_key"], a["cache_value"], a["seqlens_k"],
+            a["total_sequence_length"], a["cos_cache"], a["sin_cache"], a["position_ids"], a["head_sink"], **attrs)
+    return gqa_torch.group_query_attention_(
+        a["query"], a["key"], a["value"], a["cache_key"], a["cache_value"], a["seqlens_k"], a["cos_cache"],
+        a["sin_cache"], a["position_ids"], a["head_sink"], **attrs)
 
 
 def assert_output_close(out: torch.Tensor, ref: torch.Tensor, case: Optional[Case] = None, suite: str = "parity",

@@ -253,3 +253,20 @@ def reference_rotated_qkv(query, key, value, seqlens_k, geometry, cos_cache, sin
         qs.append(rope(q[b], pos, cos_cache, sin_cache, rotary_interleaved))
         ks.append(rope(k[b], pos, cos_cache, sin_cache, rotary_interleaved))
     return torch.stack(qs), torch.stack(ks), v
+
+
+def output_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """fp32: max |out - ref| / max |ref| (per batch row, worst row). fp16/bf16: ‖out - ref‖ /
+    ‖ref‖ (per batch row, worst row). Per row, so one bad row of a big batch still shows."""
+    out64, ref64 = out.detach().double().cpu(), ref.double().cpu()
+    worst = 0.0
+    for b in range(ref64.shape[0]):
+        o, r = out64[b], ref64[b]
+        if out.dtype == torch.float32:
+            err = (o - r).abs().max().item() / max(r.abs().max().item(), 1e-30)
+        else:
+            err = (o - r).norm().item() / max(r.norm().item(), 1e-30)
+        if math.isnan(err):
+            return math.inf
+        worst = max(worst, err)
+    return worst

@@ -66,6 +66,7 @@ if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
 
 import gqa_torch  # noqa: E402
 from conftest import FP32_MAX_REL, NORM_REL, bits, output_error, poison_allocator, record_error  # noqa: E402
+from conftest import call_op as call  # noqa: E402
 from reference import reference_gqa, reference_gqa_, to_bnsh  # noqa: E402
 
 INT32_MAX = 2**31 - 1
@@ -646,17 +647,6 @@ def apply_host_mutation(spec: Spec, args: dict) -> dict:
     else:
         raise AssertionError(name)
     return a
-
-
-def call(op: str, a: dict):
-    attrs = a["attrs"]
-    if op == "functional":
-        return gqa_torch.group_query_attention(
-            a["query"], a["key"], a["value"], a["cache_key"], a["cache_value"], a["seqlens_k"],
-            a["total_sequence_length"], a["cos_cache"], a["sin_cache"], a["position_ids"], a["head_sink"], **attrs)
-    return gqa_torch.group_query_attention_(
-        a["query"], a["key"], a["value"], a["cache_key"], a["cache_value"], a["seqlens_k"], a["cos_cache"],
-        a["sin_cache"], a["position_ids"], a["head_sink"], **attrs)
 
 
 DEFAULT_THREADS = torch.get_num_threads()

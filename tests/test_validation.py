@@ -17,6 +17,7 @@ import torch
 import gqa_torch
 from gqa_torch import errors as gerr
 from conftest import bits_equal, make_case, poison
+from conftest import call_op as call
 
 B, S, HQ, HKV, D, P, C, ROWS = 2, 3, 4, 2, 8, 6, 10, 16
 
@@ -38,18 +39,6 @@ def base(op: str, layout: int = 0, dtype=torch.float32) -> dict:
     if op == "functional":
         args["total_sequence_length"] = 8
     return args
-
-
-def call(op: str, args: dict):
-    a = dict(args)
-    attrs = a.pop("attrs")
-    if op == "functional":
-        return gqa_torch.group_query_attention(
-            a["query"], a["key"], a["value"], a["cache_key"], a["cache_value"], a["seqlens_k"],
-            a["total_sequence_length"], a["cos_cache"], a["sin_cache"], a["position_ids"], a["head_sink"], **attrs)
-    return gqa_torch.group_query_attention_(
-        a["query"], a["key"], a["value"], a["cache_key"], a["cache_value"], a["seqlens_k"], a["cos_cache"],
-        a["sin_cache"], a["position_ids"], a["head_sink"], **attrs)
 
 
 def expect_error(op: str, args: dict, exc, pattern: str):
