@@ -18,7 +18,7 @@ import torch
 
 from . import _C
 from .cache import KVCache
-from .errors import GQAError, decode_flags
+from .errors import FLAG_MESSAGES, GQAError, decode_flags
 from .ops import (
     check_errors,
     clear_errors,
@@ -46,7 +46,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-if list(_C.error_flag_messages()) != __import__("gqa_torch.errors", fromlist=["x"]).FLAG_MESSAGES:
+if list(_C.error_flag_messages()) != FLAG_MESSAGES:
     raise ImportError("gqa_torch: the extension's error flag table differs from gqa_torch.errors (stale build?)")
 
 if os.environ.get("GQA_SYNC_ERRORS") == "1":
