@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Logs go to $OUT (or ./gpu_out); results tables to benchmarks/results/ (copied to $OUT).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak]...
 # (default: build test sanitize bench prefill, in that order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,9 +28,15 @@ for step in $steps; do
       python3 -m pytest tests -q -ra -p no:cacheprovider ${GQA_TEST_ARGS:-} > "$OUT/tests.log" 2>&1 || status=1
       tail -25 "$OUT/tests.log" ;;
     sanitize)
-      compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
-        -k "${GQA_SANITIZE_K:-decode or prefill or error}" -p no:cacheprovider > "$OUT/memcheck.log" 2>&1 || status=1
-      grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5 ;;
+      # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
+      for tool in ${GQA_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
+          -k "${GQA_SANITIZE_K:-parity_grid and (decode or prefill)}" -p no:cacheprovider > "$OUT/$tool.log" 2>&1 || status=1
+        echo "$tool: $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | tail -1) $(grep -E "passed|failed" "$OUT/$tool.log" | tail -1)"
+      done ;;
+    soak)
+      python3 scripts/soak.py ${GQA_SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 || status=1
+      tail -12 "$OUT/soak.log" ;;
     bench)
       (cd benchmarks && python3 bench_decode.py ${GQA_BENCH_ARGS:-}) > "$OUT/bench_decode.log" 2>&1 || status=1
       grep -v "^    " "$OUT/bench_decode.log" | tail -45 ;;
