@@ -85,14 +85,15 @@ class Contender:
     def prepare(self, batch: int, capacity: int) -> None:
         raise NotImplementedError
 
+    # Subclasses set self.model, self.cache (with a reset()) and self.step in prepare().
     def prefill(self, ids):
-        raise NotImplementedError
+        return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
 
     def reset(self) -> None:
-        raise NotImplementedError
+        self.cache.reset()
 
     def release(self) -> None:
-        pass
+        self.cache = self.step = None
 
     def run(self, ids, new_tokens: int):
         """Prefill + greedy decode of new_tokens (first token from the prefill); returns
@@ -128,15 +129,6 @@ class HFStatic(Contender):
 
         self.step = CompiledStep(step)
 
-    def prefill(self, ids):
-        return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
-
-    def reset(self):
-        self.cache.reset()
-
-    def release(self):
-        self.cache = self.step = None
-
 
 class GQA(Contender):
     def __init__(self, model, compiled: bool):
@@ -158,15 +150,6 @@ class GQA(Contender):
             return model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True).logits
 
         self.step = CompiledStep(step) if self.compiled else CUDAGraphStep(step)
-
-    def prefill(self, ids):
-        return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
-
-    def reset(self):
-        self.cache.reset()
-
-    def release(self):
-        self.cache = self.step = None
 
 
 def first_divergence(a, b) -> int:
