@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
-# Logs go to $OUT (or ./gpu_out); results tables to benchmarks/results/ (copied to $OUT).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak]...
-# (default: build test sanitize bench prefill, in that order).
+# Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
+# file, because the device tool brings back only a few files per call).
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|checks]...
+# (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
+# four sanitizer tools at once, as separate processes (correctness only; never with benchmarks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
+FINAL_OUT=${OUT:-$PWD/gpu_out}
+OUT=${GQA_LOG_DIR:-$FINAL_OUT/logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # The device image sets CXX to a toolchain (/opt/gcc) that links a private copy of libstdc++
@@ -30,12 +33,12 @@ for step in $steps; do
     sanitize)
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
       for tool in ${GQA_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
-        compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
+        timeout ${GQA_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
           -k "${GQA_SANITIZE_K:-parity_grid and (decode or prefill)}" -p no:cacheprovider > "$OUT/$tool.log" 2>&1 || status=1
-        echo "$tool: $(grep -E "ERROR SUMMARY" "$OUT/$tool.log" | tail -1) $(grep -E "passed|failed" "$OUT/$tool.log" | tail -1)"
+        echo "$tool: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/$tool.log" | tail -1) $(grep -E "passed|failed" "$OUT/$tool.log" | tail -1)"
       done ;;
     soak)
-      python3 scripts/soak.py ${GQA_SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 || status=1
+      timeout ${GQA_SOAK_TIMEOUT:-400} python3 scripts/soak.py ${GQA_SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 || status=1
       tail -12 "$OUT/soak.log" ;;
     bench)
       (cd benchmarks && python3 bench_decode.py ${GQA_BENCH_ARGS:-}) > "$OUT/bench_decode.log" 2>&1 || status=1
@@ -43,10 +46,23 @@ for step in $steps; do
     prefill)
       (cd benchmarks && python3 bench_prefill.py) > "$OUT/bench_prefill.log" 2>&1 || status=1
       grep -v "^    " "$OUT/bench_prefill.log" | tail -25 ;;
+    checks)
+      pids=()
+      for sub in test soak memcheck racecheck initcheck synccheck; do
+        case $sub in test|soak) args=$sub; tools= ;; *) args=sanitize; tools=$sub ;; esac
+        mkdir -p "$OUT/$sub"
+        GQA_LOG_DIR=$OUT/$sub GQA_SANITIZE_TOOLS=$tools GQA_NESTED=1 bash "$0" $args > "$OUT/$sub/summary.txt" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      for sub in test soak memcheck racecheck initcheck synccheck; do echo "== $sub"; cat "$OUT/$sub/summary.txt"; done ;;
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
       tail -20 "$OUT/bench_e2e.log" ;;
   esac
 done
-tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
+if [ -z "${GQA_NESTED:-}" ]; then
+  cp -r benchmarks/results "$OUT/" 2>/dev/null
+  tar czf "$FINAL_OUT/gpu_logs.tgz" -C "$OUT" . && rm -rf "$OUT"
+fi
 exit $status

@@ -139,6 +139,9 @@ def _session(input_names: List[str], attrs: dict) -> "ort.InferenceSession":
         graph = helper.make_graph([node], "gqa", inputs, outputs)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                         helper.make_opsetid("com.microsoft", 1)])
+        # A newer onnx package stamps an IR version that an older onnxruntime refuses; opset 17
+        # needs only IR 8 (the device image pairs onnx with onnxruntime 1.30, max IR 13).
+        model.ir_version = 8
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         _SESSIONS[key] = ort.InferenceSession(model.SerializeToString(), options,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 import random
 import sys
@@ -174,12 +175,17 @@ def test_soak_detects_a_write_outside_the_new_rows(monkeypatch, one_intra_op_thr
 
 
 def test_soak_detects_a_leak(monkeypatch, one_intra_op_thread):
-    """Memory kept per call (a 16 KiB buffer) after warm-up exceeds the RSS bound."""
+    """Memory kept per call (64 KiB) after warm-up exceeds the RSS bound.
+
+    The leak maps fresh anonymous pages and touches them: a malloc'd buffer could land on heap
+    pages that earlier tests already made resident, and then RSS would not move."""
     real = gqa_torch.group_query_attention_
-    kept: List[bytearray] = []
+    kept: List[mmap.mmap] = []
 
     def leaky(*args, **kwargs):
-        kept.append(bytearray(os.urandom(16 * 1024)))
+        pages = mmap.mmap(-1, 64 * 1024)
+        pages.write(os.urandom(64 * 1024))
+        kept.append(pages)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gqa_torch, "group_query_attention_", leaky)
