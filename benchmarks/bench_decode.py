@@ -1,8 +1,7 @@
 """Decode benchmark (BENCHMARKS.md): gqa_torch against SDPA flash, SDPA cuDNN and FlexAttention.
 
 Three tables, all measured in one run, bf16, CUDA-graph replays, inputs rotated beyond L2:
-1. decode: one new token per row, all rows full (our op = RoPE-free append + attention), also
-   with the decode splits combined by the merge kernel instead of in-kernel (clusters);
+1. decode: one new token per row, all rows full (our op = RoPE-free append + attention);
 2. ragged: rows of different valid lengths in one static cache (SDPA reads the capacity);
 3. step: the whole decode step (RoPE + append + attention) against the HF StaticCache step
    (RoPE + index_copy_ + masked SDPA over the capacity).
@@ -79,18 +78,12 @@ def decode_table(args):
                                              num_heads=hq, kv_num_heads=hkv)
 
         t_ours = time_graph(ours, n)
-        gqa_torch._C._set_decode_cluster_reduction(False)  # the same op, splits combined by the merge kernel
-        try:
-            t_merge = time_graph(ours, n)
-        finally:
-            gqa_torch._C._set_decode_cluster_reduction(True)
         ks, vs = [c[0] for c in caches], [c[1] for c in caches]
         t_flash = time_sdpa(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
         t_cudnn = time_sdpa(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
         t_flex = time_flex(qs, ks, vs) if args.flex and kv_bytes < 1e9 else float("nan")
         best = min(t for t in (t_flash, t_cudnn) if t == t)
         row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, kv_MB=kv_bytes / 1e6, ours_us=t_ours,
-                   ours_merge_kernel_us=t_merge,
                    sdpa_flash_us=t_flash, sdpa_cudnn_us=t_cudnn, flex_us=t_flex,
                    speedup_vs_best=best / t_ours, TBps=kv_bytes / t_ours / 1e6,
                    pct_of_4_8TBps=100 * kv_bytes / t_ours / 1e6 / HBM_DATASHEET_TBS,
@@ -98,7 +91,7 @@ def decode_table(args):
                            ("90% HBM" if kv_bytes >= 1e9 else "1.0x")))
         row["meets_target"] = (row["speedup_vs_best"] >= (1.3 if row["target"] == "1.3x" else 1.0)
                                and (row["pct_of_4_8TBps"] >= 90 or row["target"] != "90% HBM"))
-        progress(f"    ours {t_ours:.1f} us (merge kernel {t_merge:.1f}) | flash {t_flash:.1f} | cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | "
+        progress(f"    ours {t_ours:.1f} us | flash {t_flash:.1f} | cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | "
                  f"{row['speedup_vs_best']:.2f}x best SDPA, {row['TBps']:.2f} TB/s")
         rows.append(row)
         del caches, qs, q_bsh, ks, vs

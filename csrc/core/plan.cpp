@@ -23,12 +23,6 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     if (splits < by_chunk) splits = by_chunk;
     if (splits < 1) splits = 1;
     if (splits > 128) splits = 128;  // the merge kernel combines at most 128 splits
-    // Short caches: at most 16 splits, so that one cluster of CTAs can combine them on chip
-    // (decode_mma.cuh) instead of a merge kernel (one launch and a memory round trip less on
-    // a latency-bound row). Taken when 16 splits still fill the device with chunks of at most
-    // 1024 keys (B = 1 with 8 kv heads: 128 CTAs), or when chunks are at most 256 keys anyway.
-    const bool fills = base_ctas * 16 >= device.sm_count * 7 / 8;
-    if (splits > 16 && (p.capacity <= 16 * 256 || (fills && p.capacity <= 16 * 1024))) splits = 16;
     // Never more splits than the capacity can feed.
     plan.min_split_keys = 64;
     const int64_t by_capacity = (static_cast<int64_t>(p.capacity) + plan.min_split_keys - 1) / plan.min_split_keys;

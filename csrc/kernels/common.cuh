@@ -30,9 +30,6 @@ struct Work {
   float* partial_lse = nullptr;  // [B, Hq, max_splits], log2 domain
   int32_t max_splits = 1;
   int32_t min_split_keys = 1;
-  // Decode: the CTAs of one (row, kv head) run as a cluster of max_splits and combine their
-  // splits through distributed shared memory (decode_mma.cuh); no merge kernel follows.
-  int32_t cluster_reduce = 0;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -48,31 +45,19 @@ struct Work {
 // after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
 bool pdl_enabled();
 
-// `cluster_x` > 0: launch as thread-block clusters of cluster_x CTAs along x.
 template <typename... KArgs, typename... Args>
-void launch_kernel_clustered(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                             cudaStream_t stream, unsigned cluster_x, Args... args) {
+void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int n = 0;
-  if (pdl_enabled()) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster_x > 0) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster_x;
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = 1;
-    ++n;
-  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -80,47 +65,6 @@ void launch_kernel_clustered(const char* name, void (*kernel)(KArgs...), dim3 gr
   }
   e = cudaGetLastError();
   if (e != cudaSuccess) throw_cuda(e, name);
-}
-
-template <typename... KArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, Args... args) {
-  launch_kernel_clustered(name, kernel, grid, block, smem, stream, 0u, args...);
-}
-
-// Whether `Kernel` can run as clusters of `size` CTAs along x on the current device: its code
-// was compiled for sm90+ (cluster code is compiled only there), and at least one such cluster
-// fits on the device. Asked once per device and size; the answer is cached.
-template <auto Kernel>
-bool cluster_launch_ok(int size, dim3 block, size_t smem) {
-  static std::atomic<int> known[64][17];  // 0: not asked yet, 1: yes, 2: no
-  int dev = 0;
-  if (size < 2 || size > 16 || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  const int cached = known[dev][size].load(std::memory_order_relaxed);
-  if (cached != 0) return cached == 1;
-  bool ok = false;
-  cudaFuncAttributes fa = {};
-  if (cudaFuncGetAttributes(&fa, Kernel) == cudaSuccess && fa.ptxVersion >= 90 && fa.binaryVersion >= 90) {
-    ok = size <= 8 || cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-    if (ok) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(size, 1, 1);
-      cfg.blockDim = block;
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = size;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      ok = cudaOccupancyMaxActiveClusters(&clusters, Kernel, &cfg) == cudaSuccess && clusters >= 1;
-    }
-  }
-  (void)cudaGetLastError();  // a refused query leaves no sticky error behind
-  known[dev][size].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
 }
 
 // Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is

@@ -10,19 +10,11 @@
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
 // partial output and log-sum-exp for the merge kernel.
 //
-// Clustered launch (`w.cluster_reduce`, sm90, max_splits <= 16): the max_splits CTAs of one
-// (row, kv head, head chunk) form a thread-block cluster, and the splits are combined through
-// distributed shared memory at the end of this kernel, so no merge kernel and no workspace
-// round trip. Every CTA of a cluster passes the two cluster barriers exactly once, whichever
-// way it leaves the kernel (a CTA must not exit while another may still read its smem).
-//
 // `fused` (in-place op): no prep launch ran. Every CTA checks all rows itself (so a bad row
 // anywhere makes the whole call NaN, as the error word would), the CTA whose range holds the
 // new key writes the new K (after RoPE) and V into the cache and feeds the same values to its
 // own tile, since nothing in this launch may read that cache row.
 #pragma once
-
-#include <cooperative_groups.h>
 
 #include "common.cuh"
 
@@ -48,47 +40,8 @@ struct DecodeCfg {
   static constexpr size_t kSmem = kQBytes + kStages * kStageBytes + kNewBytes;
   static_assert(D % 16 == 0, "tensor-core decode needs D % 16 == 0");
   static_assert(kStages >= 3, "pipeline depth");
-  // The warps' combine buffer and the cluster's part_s [16][D] both live in the stages.
-  static_assert((kWarps + 1) * 16 * D * 4 <= kStages * kStageBytes, "combine buffers must fit in the stages");
+  static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "combine buffer must fit in the stages");
 };
-
-// The cluster's split-K combine (see the file comment). Each CTA left its unnormalised output
-// rows in part_s [16][D] and their max (log2 domain) and sum in fin_m / fin_l; a split that
-// saw no keys left fin_m = -inf. With `active` > 1, the cluster's CTAs share the nh x D
-// outputs and each one reads the active ranks' shared memory through DSMEM.
-template <typename T, int D, int kThreads>
-__device__ __forceinline__ void cluster_combine(const Params& p, const float* part_s, const float* fin_m,
-                                                const float* fin_l, int active, int nh, int h0, T* out_row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  if (active > 1) {
-    const int rank = static_cast<int>(cluster.block_rank());
-    const int ranks = static_cast<int>(cluster.num_blocks());
-    for (int i = rank * kThreads + static_cast<int>(threadIdx.x); i < nh * D; i += ranks * kThreads) {
-      const int row = i / D;
-      float M = -INFINITY;
-      for (int k = 0; k < active; ++k) M = fmaxf(M, *cluster.map_shared_rank(fin_m + row, k));
-      float L = 0.f;
-      float acc = 0.f;
-#pragma unroll 4
-      for (int k = 0; k < active; ++k) {
-        const float mk = *cluster.map_shared_rank(fin_m + row, k);
-        const float lk = *cluster.map_shared_rank(fin_l + row, k);
-        const float ok = *cluster.map_shared_rank(part_s + i, k);
-        if (mk != -INFINITY) {  // a split without keys holds stale values: skip, never scale
-          const float f = exp2f(mk - M);
-          L = fmaf(lk, f, L);
-          acc = fmaf(ok, f, acc);
-        }
-      }
-      out_row[(h0 + row) * p.output_strides.head + (i - row * D)] = from_f<T>(acc * final_factor(p, h0 + row, M, L));
-    }
-  }
-  cluster.sync();
-#endif
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
@@ -119,11 +72,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int nh = min(16, G - hc * 16);
   const TokenStrides os = p.output_strides;
   T* out_row = static_cast<T*>(p.output) + b * os.batch;
-  float* part_s = reinterpret_cast<float*>(kv_s) + Cfg::kWarps * 16 * D;  // after the combine buffer
-  // Every way out of the kernel goes through here (the cluster barriers, see the file comment).
-  auto leave = [&](int combine_splits) {
-    if (w.cluster_reduce) cluster_combine<T, D, Cfg::kThreads>(p, part_s, fin_m, fin_l, combine_splits, nh, h0, out_row);
-  };
 
   pdl_wait();
   pdl_launch_dependents();
@@ -149,7 +97,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
         out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
       }
     }
-    leave(0);
     return;
   }
 
@@ -157,20 +104,12 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const KeyRange vis = visible_keys(p, g.total, g.query_start);
   const int n = vis.hi - vis.lo;
   const int active = active_splits(n, w.max_splits, w.min_split_keys);
-  if (split >= active) {
-    leave(active);
-    return;
-  }
+  if (split >= active) return;
   const int chunk = (n + active - 1) / active;
   const int k0 = vis.lo + split * chunk;
   const int k1 = min(vis.hi, k0 + chunk);
   const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
   if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
-    if (w.cluster_reduce) {
-      if (tid < 16) fin_m[tid] = -INFINITY;
-      leave(active);
-      return;
-    }
     for (int i = tid; i < nh * D; i += Cfg::kThreads) {
       const int r = i / D;
       const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
@@ -416,41 +355,32 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     const float L = fin_l[row];
     if (active == 1) {
       out_row[(h0 + row) * os.head + d] = from_f<T>(acc * final_factor(p, h0 + row, M, L));
-    } else if (w.cluster_reduce) {
-      part_s[i] = acc;
     } else {
       const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
       w.partial_out[slot * D + d] = acc / L;
       if (d == 0) w.partial_lse[slot] = M + log2f(L);
     }
   }
-  leave(active);
 }
 
-// Returns true when the splits were combined in the kernel (clustered launch): no merge then.
-// `w.cluster_reduce` is the caller's request; it is honoured when the device can run it.
 template <typename T, int D>
-bool launch_decode_mma_d(const Params& p, Work w, bool fused, cudaStream_t stream) {
+void launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   using Cfg = DecodeCfg<D>;
   constexpr auto kernel = decode_mma_kernel<T, D>;
   ensure_smem<kernel>(Cfg::kSmem, "decode_mma_kernel");
   const int hchunks = (p.group_size + 15) / 16;
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
-  const dim3 block(Cfg::kThreads);
-  w.cluster_reduce = w.cluster_reduce && cluster_launch_ok<kernel>(w.max_splits, block, Cfg::kSmem) ? 1 : 0;
-  launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, Cfg::kSmem, stream,
-                          w.cluster_reduce ? static_cast<unsigned>(w.max_splits) : 0u, p, w, fused ? 1 : 0);
-  return w.cluster_reduce != 0;
+  launch_kernel("decode_mma_kernel", kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p, w, fused ? 1 : 0);
 }
 
 template <typename T>
-bool launch_decode_mma_t(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
+void launch_decode_mma_t(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return launch_decode_mma_d<T, 64>(p, w, fused, stream);
-    case 80: return launch_decode_mma_d<T, 80>(p, w, fused, stream);
-    case 96: return launch_decode_mma_d<T, 96>(p, w, fused, stream);
-    case 128: return launch_decode_mma_d<T, 128>(p, w, fused, stream);
-    case 256: return launch_decode_mma_d<T, 256>(p, w, fused, stream);
+    case 64: launch_decode_mma_d<T, 64>(p, w, fused, stream); break;
+    case 80: launch_decode_mma_d<T, 80>(p, w, fused, stream); break;
+    case 96: launch_decode_mma_d<T, 96>(p, w, fused, stream); break;
+    case 128: launch_decode_mma_d<T, 128>(p, w, fused, stream); break;
+    case 256: launch_decode_mma_d<T, 256>(p, w, fused, stream); break;
     default: throw std::runtime_error("gqa: internal error: no tensor-core decode for this head size");
   }
 }

@@ -2,15 +2,11 @@
 //
 //   decode, in-place, tensor-core eligible:  decode_mma(fused)          [+ merge]
 //   decode, otherwise:                       prep -> decode_mma|generic [+ merge]
-//   (no merge when decode_mma ran as clusters and combined its splits itself: sm90,
-//    2..16 splits)
 //   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu)|generic
 //
 // Tensor-core eligible: fp16/bf16, D in {64, 80, 96, 128, 256}, and a cache whose rows are
 // 16-byte aligned (cp.async). Everything else takes the generic CUDA-core kernel.
 #include "launch.h"
-
-#include <atomic>
 
 #include "kernels.h"
 #include "prefill_mma.h"
@@ -38,15 +34,11 @@ int32_t min_split_keys_override() {
   return v;
 }
 
-std::atomic<bool> g_cluster_reduction{true};
-
 bool tensor_core_path(const Params& p) {
   return p.dtype != DType::kFloat32 && detail::is_fast_head_dim(p.head_dim) && cache_rows_aligned16(p);
 }
 
 }  // namespace
-
-void set_decode_cluster_reduction(bool enabled) { g_cluster_reduction.store(enabled, std::memory_order_relaxed); }
 
 void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr) {
   if (p.batch <= 0 || p.query_len <= 0 || p.q_heads <= 0) return;
@@ -69,15 +61,16 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
   if (plan.route == Route::kDecode) {
     const bool fused = tc && p.inplace;
     if (!fused) detail::launch_prep(p, /*check_positions=*/true, stream);
-    bool combined = false;
     if (tc) {
-      w.cluster_reduce = g_cluster_reduction.load(std::memory_order_relaxed) && w.max_splits > 1 && w.max_splits <= 16;
-      combined = p.dtype == DType::kBFloat16 ? detail::launch_decode_mma_bf16(p, w, fused, stream)
-                                             : detail::launch_decode_mma_fp16(p, w, fused, stream);
+      if (p.dtype == DType::kBFloat16) {
+        detail::launch_decode_mma_bf16(p, w, fused, stream);
+      } else {
+        detail::launch_decode_mma_fp16(p, w, fused, stream);
+      }
     } else {
       detail::launch_generic(p, w, stream);
     }
-    if (w.max_splits > 1 && !combined) detail::launch_merge(p, w, stream);
+    if (w.max_splits > 1) detail::launch_merge(p, w, stream);
     return;
   }
 

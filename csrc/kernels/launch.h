@@ -13,9 +13,5 @@ namespace cuda {
 // Throws std::runtime_error on a launch failure.
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
-// Decode splits combined inside the decode kernel through thread-block clusters (default on,
-// where the device supports it); off, a merge kernel combines them. For tests and benchmarks.
-void set_decode_cluster_reduction(bool enabled);
-
 }  // namespace cuda
 }  // namespace gqa

@@ -24,8 +24,4 @@ at::Tensor error_word(int64_t device_index);
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();
 
-// Decode split-K combined inside the decode kernel through thread-block clusters (true, the
-// default) or by a separate merge kernel (false). For tests and benchmarks; no-op CPU-only.
-void set_decode_cluster_reduction(bool enabled);
-
 }  // namespace gqa

@@ -23,14 +23,6 @@ std::atomic<bool> g_synchronous_errors{false};
 void set_synchronous_errors(bool enabled) { g_synchronous_errors = enabled; }
 bool synchronous_errors() { return g_synchronous_errors; }
 
-void set_decode_cluster_reduction(bool enabled) {
-#ifdef GQA_WITH_CUDA
-  cuda::set_decode_cluster_reduction(enabled);
-#else
-  (void)enabled;
-#endif
-}
-
 #ifndef GQA_WITH_CUDA
 
 bool built_with_cuda() { return false; }

@@ -12,8 +12,6 @@ PYBIND11_MODULE(_C, m) {
         "The sticky per-device error word, as an int32 tensor aliasing its fixed address.");
   m.def("set_synchronous_errors", &gqa::set_synchronous_errors, pybind11::arg("enabled"));
   m.def("synchronous_errors", &gqa::synchronous_errors);
-  m.def("_set_decode_cluster_reduction", &gqa::set_decode_cluster_reduction, pybind11::arg("enabled"),
-        "Tests and benchmarks: combine decode splits in the kernel (clusters) or with a merge kernel.");
   m.def("error_flag_messages", []() {
     std::vector<std::string> messages;
     for (int bit = 0; bit < gqa::kNumErrorFlags; ++bit) messages.emplace_back(gqa::error_flag_message(bit));
