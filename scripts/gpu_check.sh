@@ -4,7 +4,8 @@
 # file, because the device tool brings back only a few files per call).
 # Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
-# four sanitizer tools at once, as separate processes (correctness only; never with benchmarks).
+# four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
+# GQA_CHECKS picks a subset of them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-$PWD/gpu_out}
@@ -34,7 +35,7 @@ for step in $steps; do
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
       for tool in ${GQA_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
         timeout ${GQA_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
-          -k "${GQA_SANITIZE_K:-parity_grid and (decode or prefill)}" -p no:cacheprovider > "$OUT/$tool.log" 2>&1 || status=1
+          -k "${GQA_SANITIZE_K:-(parity_grid and (decode or prefill)) or test_cuda_decode}" -p no:cacheprovider > "$OUT/$tool.log" 2>&1 || status=1
         echo "$tool: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/$tool.log" | tail -1) $(grep -E "passed|failed" "$OUT/$tool.log" | tail -1)"
       done ;;
     soak)
@@ -48,14 +49,15 @@ for step in $steps; do
       grep -v "^    " "$OUT/bench_prefill.log" | tail -25 ;;
     checks)
       pids=()
-      for sub in test soak memcheck racecheck initcheck synccheck; do
+      subs=${GQA_CHECKS:-test soak memcheck racecheck initcheck synccheck}
+      for sub in $subs; do
         case $sub in test|soak) args=$sub; tools= ;; *) args=sanitize; tools=$sub ;; esac
         mkdir -p "$OUT/$sub"
         GQA_LOG_DIR=$OUT/$sub GQA_SANITIZE_TOOLS=$tools GQA_NESTED=1 bash "$0" $args > "$OUT/$sub/summary.txt" 2>&1 &
         pids+=($!)
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-      for sub in test soak memcheck racecheck initcheck synccheck; do echo "== $sub"; cat "$OUT/$sub/summary.txt"; done ;;
+      for sub in $subs; do echo "== $sub"; cat "$OUT/$sub/summary.txt"; done ;;
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
       tail -20 "$OUT/bench_e2e.log" ;;
