@@ -5,7 +5,7 @@
 # Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
-# GQA_CHECKS picks a subset of them.
+# GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-$PWD/gpu_out}
@@ -29,7 +29,7 @@ for step in $steps; do
       echo "build: $(( $(date +%s) - start )) s"
       grep -E "registers|spill" "$OUT/build.log" | sort | uniq | head -40 ;;
     test)
-      python3 -m pytest tests -q -ra -p no:cacheprovider ${GQA_TEST_ARGS:-} > "$OUT/tests.log" 2>&1 || status=1
+      python3 -m pytest ${GQA_TESTS:-tests} -q -ra -p no:cacheprovider ${GQA_TEST_ARGS:-} > "$OUT/tests.log" 2>&1 || status=1
       tail -25 "$OUT/tests.log" ;;
     sanitize)
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
