@@ -26,13 +26,13 @@ def sets_for_bytes(bytes_per_set: int, target: int = 400 << 20, cap: int = 64) -
     return max(1, min(cap, -(-target // max(1, bytes_per_set))))
 
 
-def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int = 0, replays: int = 15) -> float:
-    """Median µs per call of `step(i)` (i = input set), captured in one CUDA graph."""
-    calls = calls_per_replay or max(n_sets, 8)
+def capture_graph(step: Callable[[int], None], n_sets: int, calls: int) -> "torch.cuda.CUDAGraph":
+    """`calls` calls of `step(i % n_sets)` in one CUDA graph, after a warm-up on a side stream
+    (allocations, autotuning, lazy init); replayed once before it is returned."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(min(calls, n_sets) + 2):  # warm-up: allocations, autotuning, lazy init
+        for i in range(min(calls, n_sets) + 2):
             step(i % n_sets)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -42,6 +42,13 @@ def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int =
             step(i % n_sets)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int = 0, replays: int = 15) -> float:
+    """Median µs per call of `step(i)` (i = input set), captured in one CUDA graph."""
+    calls = calls_per_replay or max(n_sets, 8)
+    graph = capture_graph(step, n_sets, calls)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

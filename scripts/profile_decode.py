@@ -28,7 +28,7 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 
 import gqa_torch  # noqa: E402
-from common import time_graph  # noqa: E402
+from common import capture_graph, time_graph  # noqa: E402
 
 ROWS = {  # name: (B, L, S): S = 1 decode, else a causal prefill of S tokens on an empty cache
     "b1_l1024": (1, 1024, 1),
@@ -65,12 +65,7 @@ def timeline(row: str) -> None:
     step, n = make_call(row)
     per_call = time_graph(step, n)
     calls = 32
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            step(i % n)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(step, n, calls)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()

@@ -38,14 +38,16 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "../core/errors.h"
+#include "common.cuh"
 
 namespace gqa {
 namespace cuda {
 namespace pmma {
 
-constexpr float kLog2e = 1.4426950408889634f;
+using detail::kLog2e;
 // A row's exponent base is moved only when its running max grows by more than this many
 // log2 units; until then P may reach 2^kRescaleThreshold (harmless in fp32 / fp16 / bf16).
 constexpr float kRescaleThreshold = 8.f;
@@ -140,43 +142,17 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
+// The storage type's mma / packing / conversions, from common.cuh (shared with the decode
+// kernels), plus the bit pattern of two quiet NaNs for filling outputs.
 template <typename T>
-struct Half;
-
-template <>
-struct Half<__half> {
-  static constexpr uint32_t kNaN2 = 0x7E007E00u;
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+struct Half {
+  static constexpr uint32_t kNaN2 = std::is_same<T, __half>::value ? 0x7E007E00u : 0x7FC07FC0u;
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    detail::mma16816<T>(c, a, b0, b1);
   }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-};
-
-template <>
-struct Half<__nv_bfloat16> {
-  static constexpr uint32_t kNaN2 = 0x7FC07FC0u;
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return detail::pack2<T>(lo, hi); }
+  static __device__ __forceinline__ float to_float(T x) { return detail::to_f(x); }
+  static __device__ __forceinline__ T from_float(float x) { return detail::from_f<T>(x); }
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of D-element rows.
