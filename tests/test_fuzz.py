@@ -1,4 +1,5 @@
-"""Property-based fuzzing of both operators on CPU (hypothesis).
+"""Property-based fuzzing of both operators (hypothesis): on CPU always, on CUDA when the build
+and the machine have it (``test_fuzz_*_cuda``; skipped, with the reason, otherwise).
 
 Every drawn case is one call of ``gqa_torch.group_query_attention`` (functional) or
 ``gqa_torch.group_query_attention_`` (in place) with random shapes, dtypes, layouts, packed or
@@ -22,6 +23,14 @@ before (and those rows must hold the reference's K/V); after a rejected call the
 is unchanged. Inputs of both ops (activation buffers with canary margins, past buffers, tables,
 seqlens_k, ...) must never change. Cache rows that must not be read (``>= past_b``) and every
 margin hold NaN canaries, so a stray read shows up as NaN in the output or the presents.
+
+On CUDA the same property holds with the device's own error path (SPEC §4): the functional op
+raises ``GQAError`` synchronously; the in-place op returns, its violating rows' outputs are NaN,
+nothing in the cache buffer has changed, and ``gqa_torch.check_errors()`` then raises
+``GQAError`` with exactly the expected flags (and clears them). A valid call leaves the error
+word clear. Odd head sizes are refused on CUDA with a ValueError naming ``query``. Rotated new
+K rows may differ from the reference by one unit in the last place (FMA contraction of RoPE);
+every other byte must match.
 
 The intra-op thread count of the op is drawn too (the CPU backend splits query tiles and keys
 by it), and rows of more than 1024 keys make it split and merge the keys.
@@ -65,7 +74,8 @@ if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
     set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "gqa-hypothesis"))
 
 import gqa_torch  # noqa: E402
-from conftest import FP32_MAX_REL, NORM_REL, bits, output_error, poison_allocator, record_error  # noqa: E402
+from conftest import (FP32_MAX_REL, NORM_REL, bits, output_error, poison_allocator, record_error,  # noqa: E402
+                      requires_cuda, ulp_distance)
 from conftest import call_op as call  # noqa: E402
 from reference import reference_gqa, reference_gqa_, to_bnsh  # noqa: E402
 
@@ -80,6 +90,8 @@ WATCHDOG_S = 120  # one case takes milliseconds; a hang is reported (with stacks
 # Examples per hypothesis test: fixed, so CI runs the same cases every time. The two tests take
 # ~55-65 s together on 2 cores. GQA_FUZZ_EXAMPLES overrides it for longer local soaks.
 FUZZ_EXAMPLES = int(os.environ.get("GQA_FUZZ_EXAMPLES", 4000))
+# CUDA (device runs only): each case is a few launches and synchronisations.
+FUZZ_EXAMPLES_CUDA = int(os.environ.get("GQA_FUZZ_EXAMPLES_CUDA", 2000))
 FUZZ_SETTINGS = dict(
     deadline=None,
     derandomize=True,
@@ -90,33 +102,36 @@ FUZZ_SETTINGS = dict(
 
 # ---- counters (reported by the terminal summary and by test_fuzz_summary) ------------------------
 
-STATS: Counter = Counter()
+STATS_BY_DEVICE = {"cpu": Counter(), "cuda": Counter()}
 
 
 class _SummaryPlugin:
     """Registered by the module fixture: prints the fuzz counters at the end of the run."""
 
     def pytest_terminal_summary(self, terminalreporter):
-        if not STATS:
+        if not any(STATS_BY_DEVICE.values()):
             return
         terminalreporter.section("gqa: property-based fuzzing (tests/test_fuzz.py)")
-        for line in summary_lines():
-            terminalreporter.write_line("  " + line)
+        for device, stats in STATS_BY_DEVICE.items():
+            if stats:
+                terminalreporter.write_line(f"  {device}:")
+                for line in summary_lines(stats):
+                    terminalreporter.write_line("    " + line)
 
 
-def summary_lines() -> List[str]:
-    total = STATS["valid"] + STATS["invalid_data"] + STATS["invalid_host"]
-    lines = [f"cases: {total} = {STATS['valid']} valid + {STATS['invalid_data'] + STATS['invalid_host']} invalid "
-             f"({STATS['invalid_data']} GQAError, {STATS['invalid_host']} ValueError/TypeError)"]
+def summary_lines(stats: Counter) -> List[str]:
+    total = stats["valid"] + stats["invalid_data"] + stats["invalid_host"]
+    lines = [f"cases: {total} = {stats['valid']} valid + {stats['invalid_data'] + stats['invalid_host']} invalid "
+             f"({stats['invalid_data']} GQAError, {stats['invalid_host']} ValueError/TypeError)"]
     for op in ("functional", "inplace"):
-        lines.append(f"  {op}: {STATS['valid:' + op]} valid, {STATS['invalid:' + op]} invalid")
-    flags = ", ".join(f"{1 << bit}: {STATS[f'flag:{1 << bit}']}" for bit in range(6))
+        lines.append(f"  {op}: {stats['valid:' + op]} valid, {stats['invalid:' + op]} invalid")
+    flags = ", ".join(f"{1 << bit}: {stats[f'flag:{1 << bit}']}" for bit in range(6))
     lines.append(f"  GQAError flag bits seen (cases per bit): {flags}")
-    hosts = sorted((k[5:], v) for k, v in STATS.items() if k.startswith("host:"))
+    hosts = sorted((k[5:], v) for k, v in stats.items() if k.startswith("host:"))
     lines.append("  host mutations: " + ", ".join(f"{k} {v}" for k, v in hosts))
     feats = ["fp32", "fp16", "bf16", "packed", "rotary", "position_ids", "window", "softcap", "smooth", "sink",
              "first_prompt", "long", "strided"]
-    lines.append("  valid cases with: " + ", ".join(f"{f} {STATS['feat:' + f]}" for f in feats))
+    lines.append("  valid cases with: " + ", ".join(f"{f} {stats['feat:' + f]}" for f in feats))
     return lines
 
 
@@ -166,6 +181,7 @@ class Spec:
     guards: Tuple[int, int, int] = (1, 1, 1)  # canary elements before / between / after the caches
     host: Optional[str] = None    # a host-checkable mutation, or None
     seed: int = 0
+    device: str = "cpu"           # where the op runs (tensors are built on the CPU, then copied)
 
     @property
     def Hq(self):
@@ -293,7 +309,7 @@ def _bad_seqlen(draw, kind: str, spec_like: dict) -> int:
 
 
 @st.composite
-def specs(draw, op: str) -> Spec:
+def specs(draw, op: str, device: str = "cpu") -> Spec:
     B = draw(st.integers(1, 4))
     S = draw(st.integers(1, 9))
     Hkv = draw(st.integers(1, 3))
@@ -423,6 +439,7 @@ def specs(draw, op: str) -> Spec:
     if draw(st.integers(0, 99)) >= 85:
         names = [n for n, (ok, _, _) in HOST_MUTATIONS.items() if ok(spec)]
         spec.host = names[(draw(st.integers(0, len(names) - 1)) + spec.seed) % len(names)]
+    spec.device = device
     return spec
 
 
@@ -652,6 +669,40 @@ def apply_host_mutation(spec: Spec, args: dict) -> dict:
 DEFAULT_THREADS = torch.get_num_threads()
 
 
+def device_view(t, device: str, storages: dict):
+    """The same view (shape, strides, offset) of a copy of t's whole CPU storage on `device`;
+    each storage is copied once (``storages`` maps its address to the copy), so views into one
+    canary buffer stay views into one buffer and strided or mutated tensors keep their strides.
+    Anything that is not a tensor comes back as it is."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    key = t.untyped_storage().data_ptr()
+    if key not in storages:
+        n = t.untyped_storage().nbytes() // t.element_size()
+        flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,))
+        storages[key] = flat.to(device)
+    return storages[key].as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def to_device(args: dict, device: str, storages: dict) -> dict:
+    """A copy of the op arguments with every tensor moved by :func:`device_view`."""
+    out = {k: device_view(v, device, storages) for k, v in args.items()}
+    out["attrs"] = dict(args["attrs"])
+    return out
+
+
+def violating_rows(spec: Spec) -> List[int]:
+    """The rows whose bounds or rotary positions break SPEC §4 (see expected_flags)."""
+    rows = []
+    for b, seqlen in enumerate(spec.seqlens):
+        f = row_flags(spec, seqlen)
+        if f == 0 and spec.rotary is not None:
+            f = any(not (0 <= p < spec.max_positions) for p in rope_positions(spec, b))
+        if f:
+            rows.append(b)
+    return rows
+
+
 def with_threads(threads: int, fn, *args, **kwargs):
     """fn(*args, **kwargs) with `threads` intra-op threads (0: torch's default for this
     process); the CPU backend divides its work (query tiles, key splits) by the thread count."""
@@ -682,10 +733,31 @@ def _assert_same_bytes(now: torch.Tensor, before: torch.Tensor, what: str):
         raise AssertionError(f"{what}: {int(diff.sum())} elements changed, first (flat) at {idx}")
 
 
+def _assert_close_bits(now: torch.Tensor, expected: torch.Tensor, loose: Optional[torch.Tensor], what: str):
+    """Byte equality, except where ``loose`` (a bool mask, or None) allows one ulp."""
+    if loose is None:
+        _assert_same_bytes(now, expected, what)
+        return
+    diff = bits(now) != bits(expected)
+    strict = diff & ~loose
+    if bool(strict.any()):
+        idx = strict.nonzero()[:5].reshape(-1).tolist()
+        raise AssertionError(f"{what}: {int(strict.sum())} elements changed, first (flat) at {idx}")
+    worst = int(ulp_distance(now[loose], expected[loose]).max()) if bool(loose.any()) else 0
+    assert worst <= 1, f"{what}: rotated new K rows differ by {worst} ulp (at most 1 allowed)"
+
+
 def check_spec(spec: Spec) -> str:
     """Runs one case and checks it; returns "valid", "gqa_error" or "host_error"."""
+    on_cpu = spec.device == "cpu"
     built = build(spec)
-    args = built.args
+    cpu_args = built.args
+    storages = {}
+    args = cpu_args if on_cpu else to_device(cpu_args, spec.device, storages)
+    if not on_cpu:  # the inputs and the buffer to watch are the device copies
+        built.inputs = {k: device_view(v, spec.device, storages) for k, v in built.inputs.items()}
+        built.buffer = device_view(built.buffer, spec.device, storages)
+        gqa_torch.check_errors()  # a flag left over by the previous case is a failure of that case
     inputs_before = {k: v.clone() for k, v in built.inputs.items()}
     buffer_before = built.buffer.clone() if built.buffer is not None else None
 
@@ -697,20 +769,26 @@ def check_spec(spec: Spec) -> str:
         if built.buffer is not None:
             _assert_same_bytes(built.buffer, buffer_before, "in-place cache buffer after a rejected call")
 
-    kind = f"{spec.op} B={spec.B} S={spec.S} Hkv={spec.Hkv} G={spec.G} D={spec.D} {spec.dtype}"
-    if spec.host is not None:
-        _, exc, pattern = HOST_MUTATIONS[spec.host]
-        key_name, value_name = _cache_names(spec)
-        pattern = pattern.format(key=key_name, value=value_name)
-        mutated = apply_host_mutation(spec, args)
+    kind = f"{spec.device} {spec.op} B={spec.B} S={spec.S} Hkv={spec.Hkv} G={spec.G} D={spec.D} {spec.dtype}"
+    odd_on_cuda = not on_cpu and spec.D % 2 == 1
+    if spec.host is not None or odd_on_cuda:
+        if spec.host is not None:
+            _, exc, pattern = HOST_MUTATIONS[spec.host]
+            key_name, value_name = _cache_names(spec)
+            pattern = pattern.format(key=key_name, value=value_name)
+            mutated = apply_host_mutation(spec, cpu_args)
+            mutated = mutated if on_cpu else to_device(mutated, spec.device, storages)
+        else:  # the CUDA kernels need an even head size (a host rule of the CUDA backend)
+            exc, pattern, mutated = ValueError, "query", args
         with pytest.raises((ValueError, TypeError)) as info:
             with_threads(spec.threads, call, spec.op, mutated)
         err = info.value
-        assert not isinstance(err, gqa_torch.GQAError), f"host rule {spec.host} raised a GQAError: {err}"
-        assert isinstance(err, exc), f"host rule {spec.host}: expected {exc.__name__}, got {type(err).__name__}: {err}"
+        rule = spec.host or "odd head size on CUDA"
+        assert not isinstance(err, gqa_torch.GQAError), f"host rule {rule} raised a GQAError: {err}"
+        assert isinstance(err, exc), f"host rule {rule}: expected {exc.__name__}, got {type(err).__name__}: {err}"
         first = str(err).splitlines()[0]
         assert re.search(rf"gqa: {re.escape(pattern)}\b", first), (
-            f"host rule {spec.host}: message does not name {pattern!r}: {first}")
+            f"host rule {rule}: message does not name {pattern!r}: {first}")
         inputs_unchanged()
         buffer_unchanged()
         return "host_error"
@@ -718,31 +796,47 @@ def check_spec(spec: Spec) -> str:
     flags = expected_flags(spec)
     if flags:
         with pytest.raises(gqa_torch.GQAError) as info:
-            with_threads(spec.threads, call, spec.op, args)
+            out = with_threads(spec.threads, call, spec.op, args)
+            if not on_cpu and spec.op == "inplace":
+                # Deferred on CUDA (SPEC §4): the violating rows are NaN, then the sync point raises.
+                for b in violating_rows(spec):
+                    assert bool(torch.isnan(out[b]).all()), f"{kind}: row {b} violates SPEC §4 but its output is not NaN"
+                gqa_torch.check_errors()
         err = info.value
         assert err.flags == flags, (f"{kind}: GQAError.flags = {err.flags}, expected {flags} "
                                     f"(seqlens_k={spec.seqlens}); message: {err}")
         inputs_unchanged()
         buffer_unchanged()
+        if not on_cpu:
+            gqa_torch.check_errors()  # raising cleared the word
         return "gqa_error"
 
-    # ---- valid: reference first (on copies), then the op
-    ref_args = tuple(args[k] for k in ("query", "key", "value", "cache_key", "cache_value", "seqlens_k"))
-    tail = (args["cos_cache"], args["sin_cache"], args["position_ids"], args["head_sink"])
+    # ---- valid: reference first (on CPU copies), then the op
+    ref_args = tuple(cpu_args[k] for k in ("query", "key", "value", "cache_key", "cache_value", "seqlens_k"))
+    tail = (cpu_args["cos_cache"], cpu_args["sin_cache"], cpu_args["position_ids"], cpu_args["head_sink"])
+    new_k_loose = not on_cpu and spec.rotary is not None  # rotated K rows: one ulp of FMA contraction allowed
     if spec.op == "functional":
-        ref_out, ref_k, ref_v = reference_gqa(*ref_args, args["total_sequence_length"], *tail, **args["attrs"])
+        ref_out, ref_k, ref_v = reference_gqa(*ref_args, cpu_args["total_sequence_length"], *tail, **cpu_args["attrs"])
         shape = (spec.B, spec.Hkv, capacity(spec), spec.D)
-        poison_allocator([ref_out.shape, shape, shape], DTYPES[spec.dtype])
+        poison_allocator([ref_out.shape, shape, shape], DTYPES[spec.dtype], device=spec.device)
         out, present_k, present_v = with_threads(spec.threads, call, spec.op, args)
-        for name, actual, expected in (("present_key", present_k, ref_k), ("present_value", present_v, ref_v)):
+        loose_k = None
+        if new_k_loose:
+            loose_k = torch.zeros(shape, dtype=torch.bool)
+            for b, seqlen in enumerate(spec.seqlens):
+                p = row_past(spec, seqlen)
+                loose_k[b, :, p:p + spec.S] = True
+        for name, actual, expected, loose in (("present_key", present_k, ref_k, loose_k),
+                                              ("present_value", present_v, ref_v, None)):
             assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype), name
-            _assert_same_bytes(actual, expected, f"{kind}: {name} vs the reference")
+            _assert_close_bits(actual.cpu(), expected, loose, f"{kind}: {name} vs the reference")
     else:
-        ref_out, ref_k, ref_v = reference_gqa_(*ref_args, *tail, **args["attrs"])
-        poison_allocator([ref_out.shape], DTYPES[spec.dtype])
+        ref_out, ref_k, ref_v = reference_gqa_(*ref_args, *tail, **cpu_args["attrs"])
+        poison_allocator([ref_out.shape], DTYPES[spec.dtype], device=spec.device)
         out = with_threads(spec.threads, call, spec.op, args)
         # The expected buffer: as before, except rows [past_b, past_b + S) of each row.
-        expected = buffer_before.clone()
+        expected = buffer_before.cpu()
+        loose = torch.zeros(expected.shape, dtype=torch.bool) if new_k_loose else None
         shape, strides, key_off, value_off = built.cache_view
         for off, ref in ((key_off, ref_k), (value_off, ref_v)):
             dst = to_bnsh(expected.as_strided(shape, strides, off), spec.layout)
@@ -750,8 +844,14 @@ def check_spec(spec: Spec) -> str:
             for b, seqlen in enumerate(spec.seqlens):
                 p = row_past(spec, seqlen)
                 dst[b, :, p:p + spec.S] = src[b, :, p:p + spec.S]
-        _assert_same_bytes(built.buffer, expected, f"{kind}: cache buffer (guards, padding, other rows, new rows)")
+                if loose is not None and off == key_off:
+                    to_bnsh(loose.as_strided(shape, strides, off), spec.layout)[b, :, p:p + spec.S] = True
+        _assert_close_bits(built.buffer.cpu(), expected, loose,
+                           f"{kind}: cache buffer (guards, padding, other rows, new rows)")
+    if not on_cpu:
+        gqa_torch.check_errors()  # a valid call sets no flag
     inputs_unchanged()
+    out = out.cpu()
     assert out.shape == (spec.B, spec.S, spec.Hq * spec.D)
     assert not bool(torch.isnan(out).any()), f"{kind}: NaN in a valid output"
     check_output(out, ref_out, kind)
@@ -784,26 +884,27 @@ def check_output(out: torch.Tensor, ref: torch.Tensor, kind: str) -> None:
 
 
 def record(spec: Spec, outcome: str):
+    stats = STATS_BY_DEVICE[spec.device]
     if outcome == "valid":
-        STATS["valid"] += 1
-        STATS[f"valid:{spec.op}"] += 1
+        stats["valid"] += 1
+        stats[f"valid:{spec.op}"] += 1
         feats = [spec.dtype] + [name for name, on in (
             ("packed", spec.packed), ("rotary", spec.rotary), ("position_ids", spec.position_ids and spec.rotary),
             ("window", spec.window > 0), ("softcap", spec.softcap > 0), ("smooth", spec.smooth),
             ("sink", spec.sink), ("first_prompt", is_first_prompt(spec)), ("strided", spec.strided),
             ("long", max(r + 1 for r in spec.seqlens) > 1024)) if on]
         for f in feats:
-            STATS["feat:" + f] += 1
+            stats["feat:" + f] += 1
     else:
-        STATS["invalid_data" if outcome == "gqa_error" else "invalid_host"] += 1
-        STATS[f"invalid:{spec.op}"] += 1
+        stats["invalid_data" if outcome == "gqa_error" else "invalid_host"] += 1
+        stats[f"invalid:{spec.op}"] += 1
         if outcome == "host_error":
-            STATS[f"host:{spec.host}"] += 1
+            stats[f"host:{spec.host or 'odd_head_size_cuda'}"] += 1
         else:
             flags = expected_flags(spec)
             for bit in range(6):
                 if flags & (1 << bit):
-                    STATS[f"flag:{1 << bit}"] += 1
+                    stats[f"flag:{1 << bit}"] += 1
 
 
 # ---- the fuzz tests ---------------------------------------------------------------------------------
@@ -820,6 +921,20 @@ def test_fuzz_functional(spec):
 @settings(max_examples=FUZZ_EXAMPLES, **FUZZ_SETTINGS)
 @given(spec=specs("inplace"))
 def test_fuzz_inplace(spec):
+    record(spec, with_threads(1, watched, check_spec, spec))
+
+
+@requires_cuda
+@settings(max_examples=FUZZ_EXAMPLES_CUDA, **FUZZ_SETTINGS)
+@given(spec=specs("functional", "cuda"))
+def test_fuzz_functional_cuda(spec):
+    record(spec, with_threads(1, watched, check_spec, spec))
+
+
+@requires_cuda
+@settings(max_examples=FUZZ_EXAMPLES_CUDA, **FUZZ_SETTINGS)
+@given(spec=specs("inplace", "cuda"))
+def test_fuzz_inplace_cuda(spec):
     record(spec, with_threads(1, watched, check_spec, spec))
 
 
@@ -973,18 +1088,22 @@ def test_regression_fp16_output_underflow_under_dominant_sink():
 
 # ---- summary ----------------------------------------------------------------------------------------
 
-def test_fuzz_summary():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fuzz_summary(device):
     """Runs last in this module: prints the counts, and checks that the fuzz tests really mixed
-    valid calls, GQAErrors (every flag bit) and host errors (skipped when they were deselected)."""
-    total = STATS["valid"] + STATS["invalid_data"] + STATS["invalid_host"]
+    valid calls, GQAErrors (every flag bit) and host errors (skipped when they were deselected,
+    or, for CUDA, when there is no GPU)."""
+    stats = STATS_BY_DEVICE[device]
+    total = stats["valid"] + stats["invalid_data"] + stats["invalid_host"]
     if total == 0:
-        pytest.skip("the fuzz tests did not run in this session")
-    for line in summary_lines():
+        pytest.skip(f"the {device} fuzz tests did not run in this session")
+    for line in summary_lines(stats):
         print(line)
-    assert STATS["valid"] >= 0.3 * total, dict(STATS)
-    assert STATS["invalid_data"] >= 0.15 * total, dict(STATS)
-    assert STATS["invalid_host"] >= 0.03 * total, dict(STATS)
+    assert stats["valid"] >= 0.3 * total, dict(stats)
+    assert stats["invalid_data"] >= 0.15 * total, dict(stats)
+    assert stats["invalid_host"] >= 0.03 * total, dict(stats)
     if total >= 1000:
         for bit in range(6):
-            assert STATS[f"flag:{1 << bit}"] > 0, f"no case raised flag {1 << bit}"
-        assert len([k for k in STATS if k.startswith("host:")]) == len(HOST_MUTATIONS), "a host mutation never ran"
+            assert stats[f"flag:{1 << bit}"] > 0, f"no case raised flag {1 << bit}"
+        ran = {k[5:] for k in stats if k.startswith("host:")}
+        assert set(HOST_MUTATIONS) <= ran, f"host mutations that never ran: {sorted(set(HOST_MUTATIONS) - ran)}"
