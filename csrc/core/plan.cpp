@@ -33,10 +33,8 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     plan.min_split_keys = 0;
   }
 
-  // Count, then carve.
+  // Count, then carve. Only split-K decode needs scratch; every other call needs none.
   size_t offset = 0;
-  plan.workspace.row_meta = offset;
-  offset += align_workspace(sizeof(int32_t) * 4 * static_cast<size_t>(p.batch));
   if (plan.route == Route::kDecode && plan.max_splits > 1) {
     const size_t heads = static_cast<size_t>(p.batch) * p.q_heads * plan.max_splits;
     plan.workspace.partial_out = offset;

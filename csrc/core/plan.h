@@ -22,7 +22,6 @@ enum class Route : int32_t {
 
 // Byte offsets into one workspace allocation (count, then carve).
 struct WorkspaceLayout {
-  size_t row_meta = 0;        // int32 [B, 4]: total, past, query_start, valid (or -1s)
   size_t partial_out = 0;     // float [B, Hq, max_splits, D]   (decode only)
   size_t partial_lse = 0;     // float [B, Hq, max_splits]      (decode only)
   size_t total_bytes = 0;

@@ -124,18 +124,33 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
   const int ntiles = (k1 - k0 + kTile - 1) / kTile;
 
+  // Each thread copies one fixed 16-byte column chunk of rows r0, r0 + kRowsPerPass, ... of a
+  // tile, so a pass is a pointer step, a bounds test and two cp.async (no per-chunk division
+  // or 64-bit multiply). With 80/96-wide rows (10/12 chunks) a few threads sit out.
+  constexpr int kRowsPerPass = Cfg::kThreads / Cfg::kChunks;
+  constexpr int kPasses = (kTile + kRowsPerPass - 1) / kRowsPerPass;
+  const int my_chunk = tid % Cfg::kChunks;
+  const int my_row = tid / Cfg::kChunks;  // >= kRowsPerPass: this thread copies nothing
+  const int64_t pass_step = static_cast<int64_t>(kRowsPerPass) * cs.token;
+  const T* kcol = kbase + my_chunk * 8;
+  const T* vcol = vbase + my_chunk * 8;
   auto load_tile = [&](int tile, int stage) {
-    T* ks = kv_s + stage * 2 * kTile * kStride;
+    if (my_row >= kRowsPerPass) return;
+    T* ks = kv_s + stage * 2 * kTile * kStride + my_row * kStride + my_chunk * 8;
     T* vs = ks + kTile * kStride;
-    const int t0 = k0 + tile * kTile;
-    for (int i = tid; i < kTile * Cfg::kChunks; i += Cfg::kThreads) {
-      const int r = i / Cfg::kChunks;
-      const int c = i - r * Cfg::kChunks;
-      const int j = t0 + r;
-      const bool ok = j < k1;
-      const int64_t off = static_cast<int64_t>(ok ? j : k0) * cs.token + c * 8;
-      cp_async16(ks + r * kStride + c * 8, kbase + off, ok);
-      cp_async16(vs + r * kStride + c * 8, vbase + off, ok);
+    int j = k0 + tile * kTile + my_row;
+    int64_t off = static_cast<int64_t>(j) * cs.token;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if (pass * kRowsPerPass + my_row < kTile) {
+        const bool ok = j < k1;  // rows past the split's end are zero-filled, never read
+        cp_async16(ks, kcol + (ok ? off : 0), ok);
+        cp_async16(vs, vcol + (ok ? off : 0), ok);
+      }
+      ks += kRowsPerPass * kStride;
+      vs += kRowsPerPass * kStride;
+      j += kRowsPerPass;
+      off += pass_step;
     }
   };
 

@@ -113,10 +113,15 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
   p.error_word = device_word(device, stream);
 
   const Plan plan = make_plan(p, device_info(device));
-  // One allocation from PyTorch's caching allocator: stream-ordered and capture-safe.
-  at::Tensor workspace = at::empty({static_cast<int64_t>(plan.workspace.total_bytes)},
-                                   query.options().dtype(at::kByte));
-  cuda::launch(p, plan, workspace.data_ptr(), stream);
+  // One allocation from PyTorch's caching allocator (stream-ordered and capture-safe), when
+  // the plan needs scratch at all.
+  at::Tensor workspace;
+  void* scratch = nullptr;
+  if (plan.workspace.total_bytes > 0) {
+    workspace = at::empty({static_cast<int64_t>(plan.workspace.total_bytes)}, query.options().dtype(at::kByte));
+    scratch = workspace.data_ptr();
+  }
+  cuda::launch(p, plan, scratch, stream);
 
   if ((synchronous_check || g_synchronous_errors) && !stream_is_capturing(stream)) {
     uint32_t flags = 0;
