@@ -61,6 +61,8 @@ for step in $steps; do
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
       tail -20 "$OUT/bench_e2e.log" ;;
+    *)
+      echo "gpu_check: unknown step '$step'"; status=2 ;;
   esac
 done
 if [ -z "${GQA_NESTED:-}" ]; then

@@ -21,7 +21,7 @@ import gqa_torch
 from gqa_torch import errors as gerr
 from conftest import (DTYPES, NORM_REL, FP32_MAX_REL, assert_output_close, bits, bits_equal, check_caches,
                       make_case, output_error, poison, record_error, requires_cuda, run_and_check)
-from reference import reference_gqa_, to_bnsh
+from reference import to_bnsh
 from test_parity import GRID, RANDOM_CONFIGS, _case_id, build_case
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -159,7 +159,7 @@ def test_cuda_poisoned_outputs_are_overwritten():
 def test_cuda_graph_decode_replay_50_steps():
     """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
     inputs change: every replay is checked against the reference (output and caches)."""
-    B, Hq, Hkv, D, C, R = 3, 8, 2, 64, 96, 64
+    B, Hq, Hkv, D, C = 3, 8, 2, 64, 96
     rng = random.Random(5)
     case = make_case("inplace", batch=B, seq=1, num_heads=Hq, kv_num_heads=Hkv, head_dim=D, capacity=C,
                      past_lengths=[5, 10, 20], rotary="half", position_ids="random", max_positions=200, sink=True,
@@ -230,6 +230,100 @@ def test_cuda_graph_replay_with_bad_row_sets_flags():
         gqa_torch.check_errors()
     assert info.value.flags == gerr.CAPACITY
     gqa_torch.check_errors()  # cleared
+
+
+def _captured_decode_loop(case, steps, poison_at=None, bad_row=1, resume_after=2):
+    """Runs a decode loop of `steps` graph replays of one captured in-place call (fresh copies of
+    the case's caches, the same per-step inputs from a fixed seed). With `poison_at`, that step's
+    seqlens_k of `bad_row` is past the capacity; `resume_after` more steps then run while the
+    word is still set, the word is checked (its GQAError returned) and cleared, and the loop
+    repeats the poisoned step and goes on with valid inputs. Returns per executed step the
+    output and both caches (clones), and the GQAError (or None)."""
+    static = case.clone()
+    B, C = static.batch, static.cache_key.shape[2]
+    gen = torch.Generator().manual_seed(11)
+    inputs = [tuple(torch.randn(t.shape, generator=gen).to(t.dtype) for t in (static.query, static.key, static.value))
+              for _ in range(steps)]
+    pasts = torch.tensor([4, 9, 17][:B], dtype=torch.int32)
+
+    def load(t, poisoned=False):
+        for dst, src in zip((static.query, static.key, static.value), inputs[t]):
+            dst.copy_(src)
+        seq = pasts + t  # one new token per step: total = past + t + 1
+        if poisoned:
+            seq[bad_row] = C + 5
+        static.seqlens_k.copy_(seq)
+
+    def call():
+        return gqa_torch.group_query_attention_(static.query, static.key, static.value, static.cache_key,
+                                                static.cache_value, static.seqlens_k, **static.attrs)
+
+    load(0)  # the warm-up call writes exactly what step 0 writes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    torch.cuda.synchronize()
+
+    record, error = [], None
+
+    def replay(t, poisoned=False):
+        load(t, poisoned)
+        graph.replay()
+        torch.cuda.synchronize()
+        record.append((t, out.clone(), static.cache_key.clone(), static.cache_value.clone()))
+
+    t = 0
+    while t < steps:
+        if t == poison_at and error is None:
+            replay(t, poisoned=True)
+            for later in range(t + 1, min(steps, t + 1 + resume_after)):
+                replay(later)  # valid inputs, but the word is still set
+            with pytest.raises(gqa_torch.GQAError) as info:
+                gqa_torch.check_errors()
+            error = info.value
+            gqa_torch.check_errors()  # raising cleared it
+            continue  # the poisoned step again, now valid
+        replay(t)
+        gqa_torch.check_errors()
+        t += 1
+    return record, error
+
+
+def test_poisoned_step_in_a_captured_decode_loop():
+    """SPEC §4 under CUDA graphs: one replay of a captured decode loop gets an out-of-range
+    seqlens_k for one row. That replay and the later ones (valid inputs) write nothing and
+    output NaN, because the word is sticky; the flags decode to the capacity message; up to
+    the poisoned step every output and cache byte equals a clean run's; after the word is
+    cleared, the loop repeats the poisoned step and every later step equals the clean run."""
+    case = make_case("inplace", batch=3, seq=1, num_heads=8, kv_num_heads=2, head_dim=64, capacity=40,
+                     past_lengths=[4, 9, 17], device="cuda", poison_unused=False)
+    steps, poison_at, resume_after = 10, 4, 2
+    clean, no_error = _captured_decode_loop(case, steps)
+    assert no_error is None and [t for t, *_ in clean] == list(range(steps))
+    poisoned, error = _captured_decode_loop(case, steps, poison_at=poison_at, resume_after=resume_after)
+
+    assert error.flags == gerr.CAPACITY, error.flags
+    assert gerr.FLAG_MESSAGES[4] in str(error), str(error)  # bit 4 is flag 16
+    order = [t for t, *_ in poisoned]
+    assert order == list(range(poison_at + 1 + resume_after)) + list(range(poison_at, steps)), order
+
+    clean_by_step = {t: rest for t, *rest in clean}
+    for t, out, k, v in poisoned[:poison_at]:  # before the poisoned step: identical to the clean run
+        c_out, c_k, c_v = clean_by_step[t]
+        assert bits_equal(out, c_out) and bits_equal(k, c_k) and bits_equal(v, c_v), f"step {t}"
+    _, k_before, v_before = clean_by_step[poison_at - 1]
+    for t, out, k, v in poisoned[poison_at:poison_at + 1 + resume_after]:  # poisoned step and the skipped ones
+        assert torch.isnan(out).all(), f"step {t}: outputs must be NaN while the word is set"
+        assert bits_equal(k, k_before) and bits_equal(v, v_before), f"step {t}: a cache was written"
+    for t, out, k, v in poisoned[poison_at + 1 + resume_after:]:  # after clear: the loop runs on correctly
+        c_out, c_k, c_v = clean_by_step[t]
+        assert torch.isfinite(out).all(), f"step {t} after clear"
+        assert bits_equal(out, c_out) and bits_equal(k, c_k) and bits_equal(v, c_v), f"step {t} after clear"
 
 
 # ---- torch.compile(mode="reduce-overhead") -------------------------------------------------------
