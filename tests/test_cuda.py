@@ -140,6 +140,18 @@ def test_cuda_decode(dtype, batch, past, op):
         _run_cuda_and_cpu(case)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("softcap", [1e4, 1e6, 3e38])
+@pytest.mark.parametrize("seq", [1, 64])
+def test_cuda_large_softcap(dtype, softcap, seq):
+    """A softcap far above the logits is the identity. Finding (by analysis, 2026-11-29): the
+    tensor-core prefill computed tanh(y) as 1 - 2/(e^2y + 1), which cancels for small y (every
+    logit ~0 with softcap 1e6), and softcap * log2(e) overflowed to inf above 2.4e38."""
+    case = make_case("inplace", batch=2, seq=seq, num_heads=8, kv_num_heads=2, head_dim=128, capacity=seq + 100,
+                     past_lengths=[30, 90], dtype=DTYPES[dtype], softcap=softcap, q_amplitude=3.0)
+    _run_cuda_and_cpu(case)
+
+
 def test_cuda_poisoned_outputs_are_overwritten():
     """Outputs come from the caching allocator; blocks freed full of NaN must be fully
     overwritten (first-prompt padding rows with exact zeros)."""

@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -94,7 +95,7 @@ struct Args {
   int32_t num_mblocks;  // query blocks per (batch row, KV head)
   int32_t softcap_on;
   float k2;             // log2-domain multiplier of the (transformed) score
-  float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(x) = 1 - 2/(2^(s*tanh_k)+1)
+  float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(y) = 1 - 2/(2^(s*tanh_k)+1)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -257,8 +258,16 @@ struct WarpTile {
         for (int n = 0; n < NT; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float ex = fast_exp2(sc[mt][n][e] * tanh_k);
-            sc[mt][n][e] = 1.f - 2.f * fast_rcp(ex + 1.f);  // tanh; the softcap factor is in k2
+            // log2(e) * tanh(y), y = score * |scale| / softcap (k2 is the softcap itself, so
+            // that softcap * log2(e) cannot overflow). For small |y|, 1 - 2/(e^2y + 1) cancels
+            // to nothing (a large softcap made every logit ~0), so there an odd Taylor
+            // polynomial is used (relative error < 1e-9 below 1/16).
+            const float u = sc[mt][n][e] * tanh_k;  // 2 y log2(e)
+            const float y = u * (0.5f / kLog2e);
+            const float y2 = y * y;
+            const float series = y * fmaf(y2, fmaf(y2, 2.f / 15.f, -1.f / 3.f), 1.f);
+            const float closed = 1.f - 2.f * fast_rcp(fast_exp2(u) + 1.f);
+            sc[mt][n][e] = kLog2e * (fabsf(y) < 0.0625f ? series : closed);
           }
     }
     if constexpr (kMask) {
@@ -763,8 +772,9 @@ inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool 
   a.q_sign = p.scale < 0.f ? 0x80008000u : 0u;
   const float scale = std::fabs(p.scale);
   a.softcap_on = p.softcap > 0.f ? 1 : 0;
-  a.k2 = p.softcap > 0.f ? p.softcap * kLog2e : scale * kLog2e;
-  a.tanh_k = p.softcap > 0.f ? 2.f * kLog2e * scale / p.softcap : 0.f;
+  a.k2 = p.softcap > 0.f ? p.softcap : scale * kLog2e;  // softcap: log2(e) is in the transformed score
+  // Clamped: with a subnormal softcap the quotient overflows, and inf * a zero score is NaN.
+  a.tanh_k = p.softcap > 0.f ? std::fmin(2.f * kLog2e * scale / p.softcap, FLT_MAX) : 0.f;
   return D <= 64 ? 64 : D <= 128 ? 128 : 256;
 }
 
