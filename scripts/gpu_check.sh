@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|sweep|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests).
@@ -58,6 +58,9 @@ for step in $steps; do
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       for sub in $subs; do echo "== $sub"; cat "$OUT/$sub/summary.txt"; done ;;
+    sweep)
+      (cd benchmarks && python3 sweep_decode_splits.py) > "$OUT/sweep.log" 2>&1 || status=1
+      tail -20 "$OUT/sweep.log" ;;
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
       tail -20 "$OUT/bench_e2e.log" ;;

@@ -33,7 +33,13 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     plan.min_split_keys = 0;
   }
 
+  layout_workspace(plan, p);
+  return plan;
+}
+
+void layout_workspace(Plan& plan, const Params& p) {
   // Count, then carve. Only split-K decode needs scratch; every other call needs none.
+  plan.workspace = WorkspaceLayout{};
   size_t offset = 0;
   if (plan.route == Route::kDecode && plan.max_splits > 1) {
     const size_t heads = static_cast<size_t>(p.batch) * p.q_heads * plan.max_splits;
@@ -43,7 +49,6 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     offset += align_workspace(sizeof(float) * heads);
   }
   plan.workspace.total_bytes = offset;
-  return plan;
 }
 
 }  // namespace gqa

@@ -39,6 +39,10 @@ size_t align_workspace(size_t bytes);
 
 Plan make_plan(const Params& p, const DeviceInfo& device);
 
+// Fills plan.workspace from plan.route and plan.max_splits (make_plan calls it; a tuning hook
+// that changes max_splits calls it again).
+void layout_workspace(Plan& plan, const Params& p);
+
 // How many splits a row of `total` keys actually uses (device and host agree on this).
 // Pure, so the decode kernels and the tests compute the same number.
 #if defined(__CUDACC__)

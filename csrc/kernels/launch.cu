@@ -24,16 +24,6 @@ bool cache_rows_aligned16(const Params& p) {
          s.head % per == 0;
 }
 
-// Tuning knob for experiments only (read once): GQA_DECODE_MIN_SPLIT_KEYS overrides the
-// plan's smallest split. The plan's max_splits still bounds the splits (the workspace).
-int32_t min_split_keys_override() {
-  static const int32_t v = [] {
-    const char* e = std::getenv("GQA_DECODE_MIN_SPLIT_KEYS");
-    return e != nullptr ? static_cast<int32_t>(std::atoi(e)) : 0;
-  }();
-  return v;
-}
-
 bool tensor_core_path(const Params& p) {
   return p.dtype != DType::kFloat32 && detail::is_fast_head_dim(p.head_dim) && cache_rows_aligned16(p);
 }
@@ -50,7 +40,6 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
   detail::Work w;
   w.max_splits = plan.route == Route::kDecode ? plan.max_splits : 1;
   w.min_split_keys = plan.min_split_keys > 0 ? plan.min_split_keys : 1;
-  if (min_split_keys_override() > 0) w.min_split_keys = min_split_keys_override();
   if (w.max_splits > 128) throw std::runtime_error("gqa: internal error: at most 128 decode splits are supported");
   if (w.max_splits > 1) {
     w.partial_out = reinterpret_cast<float*>(ws + plan.workspace.partial_out);

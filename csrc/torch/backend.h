@@ -20,6 +20,11 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check);
 // Allocated on first use (outside graph capture).
 at::Tensor error_word(int64_t device_index);
 
+// Tuning hook for benchmarks (never needed for correctness): decode calls use `max_splits`
+// splits (1..128) of at least `min_split_keys` keys instead of the plan's choice; 0 keeps
+// the plan's value. Process-wide.
+void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

@@ -18,6 +18,16 @@
 namespace gqa {
 namespace {
 std::atomic<bool> g_synchronous_errors{false};
+std::atomic<int32_t> g_split_override{0};
+std::atomic<int32_t> g_min_split_keys_override{0};
+}
+
+void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
+  TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
+  TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),
+                    "gqa: min_split_keys: expected 0..1048576, got ", min_split_keys);
+  g_split_override = static_cast<int32_t>(max_splits);
+  g_min_split_keys_override = static_cast<int32_t>(min_split_keys);
 }
 
 void set_synchronous_errors(bool enabled) { g_synchronous_errors = enabled; }
@@ -112,7 +122,12 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   p.error_word = device_word(device, stream);
 
-  const Plan plan = make_plan(p, device_info(device));
+  Plan plan = make_plan(p, device_info(device));
+  if (plan.route == Route::kDecode && (g_split_override > 0 || g_min_split_keys_override > 0)) {
+    if (g_split_override > 0) plan.max_splits = g_split_override;
+    if (g_min_split_keys_override > 0) plan.min_split_keys = g_min_split_keys_override;
+    layout_workspace(plan, p);
+  }
   // One allocation from PyTorch's caching allocator (stream-ordered and capture-safe), when
   // the plan needs scratch at all.
   at::Tensor workspace;

@@ -12,6 +12,8 @@ PYBIND11_MODULE(_C, m) {
         "The sticky per-device error word, as an int32 tensor aliasing its fixed address.");
   m.def("set_synchronous_errors", &gqa::set_synchronous_errors, pybind11::arg("enabled"));
   m.def("synchronous_errors", &gqa::synchronous_errors);
+  m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
+        pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("error_flag_messages", []() {
     std::vector<std::string> messages;
     for (int bit = 0; bit < gqa::kNumErrorFlags; ++bit) messages.emplace_back(gqa::error_flag_message(bit));

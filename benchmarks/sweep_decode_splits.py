@@ -1,0 +1,74 @@
+"""Tuning sweep (device only): the decode grid of bench_decode.py timed at several split counts.
+
+For every row, the in-place op (append + attention, bf16, CUDA-graph replays, inputs rotated
+beyond L2) is timed with the plan's own choice, then with each forced ``max_splits`` (and the
+smallest split lowered so that the forced count is really used). Prints, per row, the plan's
+time, the best forced setting and its time, so the plan's heuristic can be checked against
+measurements. Writes benchmarks/results/sweep_decode_splits.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import gqa_torch
+from bench_decode import DECODE_GRID, DTYPE
+from common import progress, sets_for_bytes, time_graph, write_tables
+
+SPLITS = [1, 2, 4, 8, 12, 16, 24, 33, 48, 64, 128]
+
+
+def sweep_row(b, hq, hkv, d, length, splits):
+    kv_bytes = 2 * b * hkv * length * d * 2
+    n = sets_for_bytes(kv_bytes)
+    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
+               torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
+    qs = [torch.randn(b, 1, hq * d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+
+    def ours(i):
+        gqa_torch.group_query_attention_(qs[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
+                                         num_heads=hq, kv_num_heads=hkv)
+
+    times = {"plan": time_graph(ours, n)}
+    for s in splits:
+        if s > 1 and length // s < 16:
+            continue
+        gqa_torch._C._set_decode_split_override(s, 16)
+        try:
+            times[s] = time_graph(ours, n)
+        finally:
+            gqa_torch._C._set_decode_split_override(0, 0)
+    return times, kv_bytes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--splits", type=int, nargs="+", default=SPLITS)
+    args = parser.parse_args()
+    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
+    torch.manual_seed(0)
+    rows = []
+    for b, hq, hkv, d, length in DECODE_GRID:
+        times, kv_bytes = sweep_row(b, hq, hkv, d, length, args.splits)
+        forced = {k: v for k, v in times.items() if k != "plan"}
+        best = min(forced, key=forced.get)
+        row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, plan_us=times["plan"], best_splits=best,
+                   best_us=forced[best], gain=times["plan"] / forced[best],
+                   all_us=" ".join(f"{k}:{v:.1f}" for k, v in forced.items()))
+        progress(f"B={b} {hq}/{hkv}/{d} L={length}: plan {times['plan']:.1f} us; best {best} splits "
+                 f"{forced[best]:.1f} us ({row['gain']:.2f}x); {row['all_us']}")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16",
+                timing="median of CUDA-graph replays, inputs rotated beyond L2")
+    print(write_tables("sweep_decode_splits", meta, rows,
+                       ["B", "heads", "L", "plan_us", "best_splits", "best_us", "gain", "all_us"],
+                       "Decode split sweep"))
+
+
+if __name__ == "__main__":
+    main()
