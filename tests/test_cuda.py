@@ -128,6 +128,31 @@ def test_cuda_prefill_sizes(seq, dtype, layout):
     _run_cuda_and_cpu(case)
 
 
+@pytest.fixture
+def wgmma_prefill():
+    gqa_torch._C._set_prefill_wgmma(True)
+    yield
+    gqa_torch._C._set_prefill_wgmma(False)
+
+
+@pytest.mark.parametrize("seq", [2, 7, 64, 513, 1100])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_cuda_prefill_wgmma(seq, dtype, head_dim, wgmma_prefill):
+    """The experimental Hopper wgmma prefill (sm90): the same cases as test_cuda_prefill_sizes,
+    every feature in turn, in place (ragged chunks) and functional (padded first prompt)."""
+    for i, feat in enumerate(FEATURE_CYCLE):
+        if seq == 1100 and i % 3:
+            continue  # long rows: a third of the features
+        case = make_case("inplace", batch=3, seq=seq, num_heads=8, kv_num_heads=2, head_dim=head_dim,
+                         capacity=seq + 70, layout=i % 2, dtype=DTYPES[dtype], packed=i % 2 == 1, **feat)
+        _run_cuda_and_cpu(case)
+        case = make_case("functional", batch=2, seq=seq, num_heads=4, kv_num_heads=1, head_dim=head_dim,
+                         capacity=None, first_prompt=True, prompt_lengths=[seq, max(1, seq // 3)], layout=i % 2,
+                         dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("batch,past", [(1, [4000]), (4, [1, 900, 3000, 257]), (2, [255, 256])])
 @pytest.mark.parametrize("op", ["inplace", "functional"])

@@ -43,6 +43,7 @@
 
 #include "../core/errors.h"
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace gqa {
 namespace cuda {
@@ -58,7 +59,11 @@ constexpr float kRescaleThreshold = 8.f;
 // QREGS: Q fragments live in registers for the whole loop (else re-read from shared memory);
 // MINB: min CTAs per SM for the register allocator; PIPE: software-pipelined tile order;
 // SUB: BN-key sub-tiles per stage (one barrier per BN*SUB keys, registers sized by BN).
-template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1>
+// WGMMA: the S and P V products run as Hopper warpgroup MMAs (wgmma.cuh) on blocked,
+// 128-byte-swizzled tiles; the softmax is the same code (the wgmma accumulator layout of a
+// warp's 16 rows is the mma.sync one). Experimental: off unless set_prefill_wgmma(true).
+template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1,
+          bool WGMMA_ = false>
 struct Config {
   static constexpr int D = D_;
   static constexpr int kWarps = WARPS_;
@@ -77,12 +82,17 @@ struct Config {
   static constexpr int kRowBytes = D * 2;
   static constexpr int kQBytes = BM * kRowBytes;
   static constexpr int kTileBytes = kStageKeys * kRowBytes;  // one stage of K (or V)
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes;
+  static constexpr bool kWgmma = WGMMA_;
+  // wgmma tiles need 1024-byte-aligned swizzle atoms: room to align the dynamic base.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + (WGMMA_ ? 1024 : 0);
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
   static_assert(BN % 16 == 0, "BN must be a multiple of 16");
   static_assert((kStageKeys * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
   static_assert(!PIPE_ || SUB_ == 1, "the pipelined order works on whole stages");
   static_assert(kStages >= 2, "at least double buffering");
+  static_assert(!WGMMA_ || (MT_ == 1 && BN_ == 64 && SUB_ == 1 && !PIPE_ && !QREGS_ && WARPS_ % 4 == 0 &&
+                            (D_ == 64 || D_ == 128)),
+                "wgmma: warpgroups of 64 rows, 64-key tiles, D = 64 or 128");
 };
 
 // Everything the kernel reads, passed by value as one __grid_constant__ parameter.
@@ -363,6 +373,40 @@ struct WarpTile {
       }
   }
 
+  // ---- the wgmma engine (C::kWgmma): this warp's warpgroup computes its 64 rows at once;
+  // q_tile / k_tile / v_tile are shared-window addresses of blocked tiles (wgmma.cuh).
+  __device__ __forceinline__ void compute_s_wg(float (&sc)[MT][NT][4], uint32_t q_tile, uint32_t k_tile) const {
+    static_assert(MT * NT * 4 == 32, "S is one m64n64 accumulator");
+    float (&acc)[32] = reinterpret_cast<float (&)[32]>(sc);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    wg::fence_operands();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wg::ss_m64n64<T>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_tile, C::kStageKeys, ks), ks > 0);
+    wg::commit();
+    wg::wait_all();
+  }
+
+  __device__ __forceinline__ void pv_wg(const uint32_t (&pa)[MT][BN / 16][4], uint32_t v_tile) {
+    float (&acc)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
+    wg::fence_operands();
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) wg::rs_m64<T, D>(acc, pa[0][j], wg::mn_major(v_tile, C::kStageKeys, j), 1);
+    wg::commit();
+    wg::wait_all();
+  }
+
+  template <bool kMask, bool kCap>
+  __device__ __forceinline__ void tile_wg(uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int n0) {
+    float sc[MT][NT][4];
+    uint32_t pa[MT][BN / 16][4];
+    float alpha[NR];
+    compute_s_wg(sc, q_tile, k_tile);
+    if (softmax<kMask, kCap>(sc, pa, n0, alpha)) rescale(alpha);
+    pv_wg(pa, v_tile);
+  }
+
   // One whole tile, plain order: S, softmax, rescale, P V.
   template <bool kMask, bool kCap>
   __device__ __forceinline__ void tile_plain(uint32_t k_st, uint32_t v_st, int n0) {
@@ -408,7 +452,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   constexpr int NR = WT::NR, DT = WT::DT, KS = WT::KS;
   constexpr unsigned kFull = 0xffffffffu;
 
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // wgmma's swizzle atoms must be 1024-byte aligned (kSmemBytes has the room).
+  unsigned char* const smem =
+      C::kWgmma ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
   __shared__ uint32_t s_error;
 
   const Params& p = a.p;
@@ -440,7 +487,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     return;
   }
 
-  unsigned char* const q_smem = smem + warp * C::kWarpRows * RB;  // this warp's Q rows / staging
+  // This warp's Q rows (later its output staging): its own slice, or with wgmma rows
+  // 16 * (warp % 4) of its warpgroup's blocked 64-row tile.
+  unsigned char* const q_smem = C::kWgmma ? smem + (warp >> 2) * 64 * RB : smem + warp * C::kWarpRows * RB;
+  const int q_row0 = C::kWgmma ? (warp & 3) * 16 : 0;
+  auto q_off = [&](int row, int chunk) -> uint32_t {
+    if constexpr (C::kWgmma) return wg::blocked_offset(q_row0 + row, chunk, 64);
+    else return swz<D>(row, chunk);
+  };
+  auto tile_off = [&](int row, int chunk) -> uint32_t {
+    if constexpr (C::kWgmma) return wg::blocked_offset(row, chunk, C::kStageKeys);
+    else return swz<D>(row, chunk);
+  };
   const uint32_t q_base = smem_addr(q_smem);
   const uint32_t k_base = smem_addr(smem + C::kQBytes);
   const uint32_t v_base = k_base + C::kStages * C::kTileBytes;
@@ -464,7 +522,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       const int j = n0 + row;
       const bool ok = ld_col_ok && j < total;
       const int64_t go = ok ? static_cast<int64_t>(j) * tok : 0;
-      const uint32_t so = static_cast<uint32_t>(stage * C::kTileBytes) + swz<D>(row, ld_c);
+      const uint32_t so = static_cast<uint32_t>(stage * C::kTileBytes) + tile_off(row, ld_c);
       cp_async16(k_base + so, k_src + go, ok ? 16u : 0u);
       cp_async16(v_base + so, v_src + go, ok ? 16u : 0u);
     }
@@ -527,7 +585,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         v.z ^= a.q_sign;
         v.w ^= a.q_sign;
       }
-      *reinterpret_cast<uint4*>(q_smem + swz<D>(row, c)) = v;
+      *reinterpret_cast<uint4*>(q_smem + q_off(row, c)) = v;
     }
     __syncwarp();
     if (a.rotate) {
@@ -543,8 +601,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
                                 : static_cast<int64_t>(geo.past) + s;
         const int d0 = inter ? 2 * k : k;
         const int d1 = inter ? 2 * k + 1 : k + half;
-        T* const e0 = reinterpret_cast<T*>(q_smem + swz<D>(row, d0 >> 3) + (d0 & 7) * 2);
-        T* const e1 = reinterpret_cast<T*>(q_smem + swz<D>(row, d1 >> 3) + (d1 & 7) * 2);
+        T* const e0 = reinterpret_cast<T*>(q_smem + q_off(row, d0 >> 3) + (d0 & 7) * 2);
+        T* const e1 = reinterpret_cast<T*>(q_smem + q_off(row, d1 >> 3) + (d1 & 7) * 2);
         const float x0 = H::to_float(*e0), x1 = H::to_float(*e1);
         float y0, y1;
         if (pos >= 0 && pos < p.max_positions) {
@@ -562,6 +620,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       }
       __syncwarp();
     }
+    if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // Q is read by wgmma after the next barrier
   }
 
   // ---- per-lane ldmatrix addressing ----------------------------------------------------------
@@ -569,7 +628,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // K (non-trans, two n-tiles): lanes 0-7 keys 0-7 chunk 2k, 8-15 keys 0-7 chunk 2k+1,
   // 16-23 keys 8-15 chunk 2k, 24-31 keys 8-15 chunk 2k+1. Row offsets added later are
   // multiples of 8, so the swizzle phase (row & 7) = (lane & 7) is fixed per lane.
-  {
+  w.key_col = (lane & 3) * 2;
+  w.k2 = a.k2;
+  w.tanh_k = a.tanh_k;
+  if constexpr (!C::kWgmma) {
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
     const int k_row = (lane & 7) + ((lane >> 4) << 3);
     w.a_x = static_cast<uint32_t>((lane >> 4) ^ (lane & 7));
@@ -577,9 +639,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     w.a_lane = q_base + a_row * RB;
     w.k_lane = k_base + k_row * RB;
     w.v_lane = v_base + a_row * RB;
-    w.key_col = (lane & 3) * 2;
-    w.k2 = a.k2;
-    w.tanh_k = a.tanh_k;
   }
   if constexpr (C::kQRegs) {
 #pragma unroll
@@ -605,6 +664,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     int stage = 0;
     for (int it = 0; it < n_tiles; ++it) {
       cp_async_wait<C::kStages - 2>();
+      if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // the cp.async data, for wgmma
       __syncthreads();  // tile `it` visible to all; every warp is done with the stage refilled next
       {
         const int nt = it + C::kStages - 1;
@@ -614,6 +674,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         cp_async_commit();
       }
       const int n0s = tile_n0(it);
+      if constexpr (C::kWgmma) {
+        const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
+        const uint32_t k_tile = k_base + stage * C::kTileBytes;
+        const uint32_t v_tile = v_base + stage * C::kTileBytes;
+        if (needs_mask(n0s)) {
+          if (cap) w.template tile_wg<true, true>(q_tile, k_tile, v_tile, n0s);
+          else w.template tile_wg<true, false>(q_tile, k_tile, v_tile, n0s);
+        } else {
+          if (cap) w.template tile_wg<false, true>(q_tile, k_tile, v_tile, n0s);
+          else w.template tile_wg<false, false>(q_tile, k_tile, v_tile, n0s);
+        }
+        if (++stage == C::kStages) stage = 0;
+        continue;
+      }
 #pragma unroll
       for (int u = C::kSub - 1; u >= 0; --u) {
         const int n0 = n0s + u * BN;
@@ -709,7 +783,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       for (int hh = 0; hh < 2; ++hh) {
         const int row = mt * 16 + (lane >> 2) + hh * 8;
         const float fi = f[mt * 2 + hh];
-        *reinterpret_cast<uint32_t*>(q_smem + swz<D>(row, d) + (lane & 3) * 4) =
+        *reinterpret_cast<uint32_t*>(q_smem + q_off(row, d) + (lane & 3) * 4) =
             H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi);
       }
   __syncwarp();
@@ -722,7 +796,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       if (r >= nrows || c * 8 >= p.head_dim) continue;
       const int s = r / G, h = kvh * G + (r - s * G);
       uint4 v = make_uint4(0u, 0u, 0u, 0u);  // first-prompt padding rows are exactly 0
-      if (r < valid_rows) v = *reinterpret_cast<const uint4*>(q_smem + swz<D>(row, c));
+      if (r < valid_rows) v = *reinterpret_cast<const uint4*>(q_smem + q_off(row, c));
       *reinterpret_cast<uint4*>(out + static_cast<int64_t>(s) * p.output_strides.token +
                                 static_cast<int64_t>(h) * p.output_strides.head + c * 8) = v;
     }
@@ -741,6 +815,25 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 using Cfg64 = Config<64, 4, 2, 64, 2, true, 2, false>;
 using Cfg128 = Config<128, 4, 2, 32, 2, false, 2, false, 2>;
 using Cfg256 = Config<256, 4, 1, 32, 2, false, 2, false>;
+// Experimental wgmma configs: two warpgroups (128 rows), 64-key tiles, two stages.
+using Cfg64W = Config<64, 8, 1, 64, 2, false, 1, false, 1, true>;
+using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
+
+std::atomic<bool> g_wgmma{false};
+
+// Whether the current device is an sm90 part (the wgmma configs are built for sm90a only).
+bool device_is_sm90() {
+  static std::atomic<int> known[64];  // 0: not asked, 1: yes, 2: no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int v = known[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0;
+    v = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major == 9 ? 1 : 2;
+    known[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 inline bool strides8(const TokenStrides& s) { return s.batch % 8 == 0 && s.token % 8 == 0 && s.head % 8 == 0; }
@@ -812,6 +905,8 @@ bool launch_config(Args& a, cudaStream_t stream) {
 
 template <typename T>
 bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
+  if (g_wgmma.load(std::memory_order_relaxed) && (dpad == 64 || dpad == 128) && device_is_sm90())
+    return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
   switch (dpad) {
     case 64: return launch_config<T, Cfg64>(a, stream);
     case 128: return launch_config<T, Cfg128>(a, stream);
@@ -821,6 +916,8 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
 }
 
 }  // namespace pmma
+
+void set_prefill_wgmma(bool enabled) { pmma::g_wgmma.store(enabled, std::memory_order_relaxed); }
 
 bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
                         void* stream) {

@@ -18,5 +18,9 @@ namespace cuda {
 bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
                         void* stream);
 
+// Experimental (default off): head sizes up to 128 on sm90 take the Hopper wgmma variant of
+// the kernel (the build must target sm90a). For tests and benchmarks while it is validated.
+void set_prefill_wgmma(bool enabled);
+
 }  // namespace cuda
 }  // namespace gqa

@@ -25,6 +25,10 @@ at::Tensor error_word(int64_t device_index);
 // the plan's value. Process-wide.
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
 
+// Experimental: fp16/bf16 prefill with head sizes up to 128 on sm90 runs the Hopper wgmma
+// kernel (default off until validated). No-op in a CPU-only build.
+void set_prefill_wgmma(bool enabled);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

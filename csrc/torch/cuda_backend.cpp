@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../kernels/launch.h"
+#include "../kernels/prefill_mma.h"
 #endif
 
 namespace gqa {
@@ -20,6 +21,14 @@ namespace {
 std::atomic<bool> g_synchronous_errors{false};
 std::atomic<int32_t> g_split_override{0};
 std::atomic<int32_t> g_min_split_keys_override{0};
+}
+
+void set_prefill_wgmma(bool enabled) {
+#ifdef GQA_WITH_CUDA
+  cuda::set_prefill_wgmma(enabled);
+#else
+  (void)enabled;
+#endif
 }
 
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
