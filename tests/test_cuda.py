@@ -128,6 +128,17 @@ def test_cuda_prefill_sizes(seq, dtype, layout):
     _run_cuda_and_cpu(case)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("scale,softcap", [(1e-50, 1e-40), (0.0, 1e-40), (-0.3, 1e-40)])
+def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
+    """Finding (by analysis, 2026-11-29): the tensor-core decode formed tanh's argument as
+    score * scale * (1 / softcap); a subnormal softcap made 1 / softcap inf, and a scale that
+    float32 rounds to 0 then gave 0 * inf = NaN instead of uniform weights."""
+    case = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=300,
+                     past_lengths=[30, 250], dtype=DTYPES[dtype], scale=scale, softcap=softcap)
+    _run_cuda_and_cpu(case)
+
+
 @pytest.fixture
 def wgmma_prefill():
     gqa_torch._C._set_prefill_wgmma(True)

@@ -210,7 +210,11 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   float l_r[2] = {0.f, 0.f};
   const float scale_l2 = p.scale * kLog2e;
   const float softcap = p.softcap;
-  const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+  // tanh's argument is score * (scale / softcap), with the quotient formed once and clamped:
+  // as scale * (1 / softcap) a subnormal softcap made 1 / softcap inf, and a zero scale then
+  // gave 0 * inf = NaN.
+  const float cap_k =
+      softcap > 0.f ? copysignf(fminf(fabsf(p.scale) / softcap, 3.4028234663852886e38f), p.scale) : 0.f;
   const int kw = warp * 16;  // this warp's keys within a tile
 
   for (int tile = 0; tile < ntiles; ++tile) {
@@ -259,7 +263,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       for (int e = 0; e < 4; ++e) {
         float x = sc[nn][e];
         if (softcap > 0.f) {
-          x = softcap * tanhf(x * p.scale * inv_cap) * kLog2e;
+          x = softcap * tanhf(x * cap_k) * kLog2e;
         } else {
           x *= scale_l2;
         }
