@@ -204,6 +204,24 @@ def test_cuda_poisoned_outputs_are_overwritten():
 
 # ---- CUDA graphs ------------------------------------------------------------------------------------
 
+def _capture(call, warmups=1, during_capture=None):
+    """Warms `call` up on a side stream, then captures one call of it in a CUDA graph (and runs
+    `during_capture` inside the capture). Returns the graph and the captured call's output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+        if during_capture is not None:
+            during_capture()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def test_cuda_graph_decode_replay_50_steps():
     """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
     inputs change: every replay is checked against the reference (output and caches)."""
@@ -221,15 +239,7 @@ def test_cuda_graph_decode_replay_50_steps():
                                                 static.sin_cache, static.position_ids, static.head_sink,
                                                 **static.attrs)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = _capture(step, warmups=2)
     static.cache_key.copy_(start_k)
     static.cache_value.copy_(start_v)
     torch.cuda.synchronize()
@@ -255,19 +265,11 @@ def test_cuda_graph_replay_with_bad_row_sets_flags():
     case = make_case("inplace", batch=2, seq=1, num_heads=4, kv_num_heads=2, head_dim=64, capacity=32,
                      past_lengths=[3, 4], device="cuda", poison_unused=False)
 
-    def step():
-        return case.run()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    def check_errors_refused():
         with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
             gqa_torch.check_errors()
+
+    graph, out = _capture(case.run, during_capture=check_errors_refused)
     case.seqlens_k.copy_(torch.tensor([5, 40], dtype=torch.int32, device="cuda"))  # row 1: total 41 > 32
     k_before = case.cache_key.clone()
     graph.replay()
@@ -288,11 +290,11 @@ def _captured_decode_loop(case, steps, poison_at=None, bad_row=1, resume_after=2
     repeats the poisoned step and goes on with valid inputs. Returns per executed step the
     output and both caches (clones), and the GQAError (or None)."""
     static = case.clone()
-    B, C = static.batch, static.cache_key.shape[2]
+    C = static.cache_key.shape[2]
     gen = torch.Generator().manual_seed(11)
     inputs = [tuple(torch.randn(t.shape, generator=gen).to(t.dtype) for t in (static.query, static.key, static.value))
               for _ in range(steps)]
-    pasts = torch.tensor([4, 9, 17][:B], dtype=torch.int32)
+    pasts = static.seqlens_k.cpu()  # the case's past lengths (S = 1: seqlens_k = past)
 
     def load(t, poisoned=False):
         for dst, src in zip((static.query, static.key, static.value), inputs[t]):
@@ -307,15 +309,7 @@ def _captured_decode_loop(case, steps, poison_at=None, bad_row=1, resume_after=2
                                                 static.cache_value, static.seqlens_k, **static.attrs)
 
     load(0)  # the warm-up call writes exactly what step 0 writes
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    torch.cuda.synchronize()
+    graph, out = _capture(call)
 
     record, error = [], None
 
