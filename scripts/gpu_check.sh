@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|sweep|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|sweep|probe|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests).
@@ -29,7 +29,7 @@ for step in $steps; do
       echo "build: $(( $(date +%s) - start )) s"
       grep -E "registers|spill" "$OUT/build.log" | sort | uniq | head -40 ;;
     test)
-      python3 -m pytest ${GQA_TESTS:-tests} -q -ra -p no:cacheprovider ${GQA_TEST_ARGS:-} > "$OUT/tests.log" 2>&1 || status=1
+      timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest ${GQA_TESTS:-tests} -q -ra -p no:cacheprovider ${GQA_TEST_ARGS:-} > "$OUT/tests.log" 2>&1 || status=1
       tail -25 "$OUT/tests.log" ;;
     sanitize)
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
@@ -58,6 +58,12 @@ for step in $steps; do
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       for sub in $subs; do echo "== $sub"; cat "$OUT/$sub/summary.txt"; done ;;
+    probe)
+      # Issue 6: the wgmma conventions on their own, then the wgmma prefill against mma.sync.
+      nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o "$OUT/wgmma_probe" scripts/wgmma_probe.cu > "$OUT/probe.log" 2>&1 \
+        && "$OUT/wgmma_probe" >> "$OUT/probe.log" 2>&1 || status=1
+      python3 scripts/wgmma_check.py >> "$OUT/probe.log" 2>&1 || status=1
+      rm -f "$OUT/wgmma_probe"; cat "$OUT/probe.log" | tail -40 ;;
     sweep)
       (cd benchmarks && python3 sweep_decode_splits.py) > "$OUT/sweep.log" 2>&1 || status=1
       tail -20 "$OUT/sweep.log" ;;
