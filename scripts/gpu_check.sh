@@ -61,8 +61,8 @@ for step in $steps; do
     probe)
       # Issue 6: the wgmma conventions on their own, then the wgmma prefill against mma.sync.
       nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o "$OUT/wgmma_probe" scripts/wgmma_probe.cu > "$OUT/probe.log" 2>&1 \
-        && "$OUT/wgmma_probe" >> "$OUT/probe.log" 2>&1 || status=1
-      python3 scripts/wgmma_check.py >> "$OUT/probe.log" 2>&1 || status=1
+        && timeout 60 "$OUT/wgmma_probe" >> "$OUT/probe.log" 2>&1 || status=1
+      timeout 120 python3 scripts/wgmma_check.py >> "$OUT/probe.log" 2>&1 || status=1
       rm -f "$OUT/wgmma_probe"; cat "$OUT/probe.log" | tail -40 ;;
     sweep)
       (cd benchmarks && python3 sweep_decode_splits.py) > "$OUT/sweep.log" 2>&1 || status=1
