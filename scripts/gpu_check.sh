@@ -29,8 +29,17 @@ for step in $steps; do
       echo "build: $(( $(date +%s) - start )) s"
       grep -E "registers|spill" "$OUT/build.log" | sort | uniq | head -40 ;;
     test)
-      timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest ${GQA_TESTS:-tests} -q -ra -p no:cacheprovider ${GQA_TEST_ARGS:-} > "$OUT/tests.log" 2>&1 || status=1
-      tail -25 "$OUT/tests.log" ;;
+      # Two shards at once (test_cuda.py, which is most of the device time, and the rest), each
+      # with half the CPU threads; faulthandler dumps the stacks of a test stuck for 120 s.
+      if [ -n "${GQA_TESTS:-}" ]; then shards=("$GQA_TESTS"); else shards=("tests/test_cuda.py" "tests --ignore=tests/test_cuda.py"); fi
+      pids=(); i=0
+      for shard in "${shards[@]}"; do
+        OMP_NUM_THREADS=$(( $(nproc) / ${#shards[@]} )) timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
+          -p no:cacheprovider -o faulthandler_timeout=120 --durations=10 ${GQA_TEST_ARGS:-} > "$OUT/tests$i.log" 2>&1 &
+        pids+=($!); i=$((i + 1))
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      for log in "$OUT"/tests*.log; do echo "-- $log"; tail -25 "$log"; done ;;
     sanitize)
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
       for tool in ${GQA_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
@@ -42,10 +51,10 @@ for step in $steps; do
       timeout ${GQA_SOAK_TIMEOUT:-400} python3 scripts/soak.py ${GQA_SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 || status=1
       tail -12 "$OUT/soak.log" ;;
     bench)
-      (cd benchmarks && python3 bench_decode.py ${GQA_BENCH_ARGS:-}) > "$OUT/bench_decode.log" 2>&1 || status=1
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 bench_decode.py ${GQA_BENCH_ARGS:-}) > "$OUT/bench_decode.log" 2>&1 || status=1
       grep -v "^    " "$OUT/bench_decode.log" | tail -45 ;;
     prefill)
-      (cd benchmarks && python3 bench_prefill.py) > "$OUT/bench_prefill.log" 2>&1 || status=1
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 bench_prefill.py) > "$OUT/bench_prefill.log" 2>&1 || status=1
       grep -v "^    " "$OUT/bench_prefill.log" | tail -25 ;;
     checks)
       pids=()
@@ -65,7 +74,7 @@ for step in $steps; do
       timeout 120 python3 scripts/wgmma_check.py >> "$OUT/probe.log" 2>&1 || status=1
       rm -f "$OUT/wgmma_probe"; cat "$OUT/probe.log" | tail -40 ;;
     sweep)
-      (cd benchmarks && python3 sweep_decode_splits.py) > "$OUT/sweep.log" 2>&1 || status=1
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 sweep_decode_splits.py) > "$OUT/sweep.log" 2>&1 || status=1
       tail -20 "$OUT/sweep.log" ;;
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
