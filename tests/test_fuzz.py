@@ -823,11 +823,11 @@ def check_spec(spec: Spec) -> str:
         poison_allocator([ref_out.shape, shape, shape], DTYPES[spec.dtype], device=spec.device)
         out, present_k, present_v = with_threads(spec.threads, call, spec.op, args)
         loose_k = None
-        if new_k_loose:
-            loose_k = torch.zeros(shape, dtype=torch.bool)
+        if new_k_loose:  # in the present's own layout (BSNH when kv_layout is 1)
+            loose_k = torch.zeros(ref_k.shape, dtype=torch.bool)
             for b, seqlen in enumerate(spec.seqlens):
                 p = row_past(spec, seqlen)
-                loose_k[b, :, p:p + spec.S] = True
+                to_bnsh(loose_k, spec.layout)[b, :, p:p + spec.S] = True
         for name, actual, expected, loose in (("present_key", present_k, ref_k, loose_k),
                                               ("present_value", present_v, ref_v, None)):
             assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype), name
@@ -1086,6 +1086,50 @@ def test_regression_fp16_output_underflow_under_dominant_sink():
     assert check_spec(spec) == "valid"
     out = call("inplace", build(spec).args)
     assert bool((out == 0).all())
+
+
+# Findings of the CUDA fuzz (H200, 2026-11-29), each pinned on both devices with its flags.
+_LONG = 700  # B * S > 2048 with position_ids: the separate validate_rows kernel runs first
+CUDA_FINDINGS = {
+    # Finding 4 (csrc/kernels/prep.cu): explicit position_ids of a row whose bounds already
+    # failed were flagged too (flag 32 on top of the row's own), unlike CPU and SPEC's oracle.
+    "positions_of_a_bad_decode_row": (6, Spec(
+        op="inplace", B=1, S=1, Hkv=1, G=1, D=64, dtype="bf16", layout=0, packed=False, seqlens=[-1],
+        past_fill=[0], C=4, rotary="half", R=2, max_positions=1, position_ids=[[-1]])),
+    "positions_of_a_bad_fp32_decode_row": (6, Spec(
+        op="inplace", B=1, S=1, Hkv=1, G=1, D=64, dtype="fp32", layout=0, packed=False, seqlens=[-1],
+        past_fill=[0], C=4, rotary="half", R=2, max_positions=1, position_ids=[[-1]])),
+    "positions_of_an_overflowing_functional_row": (1 | 16, Spec(
+        op="functional", B=1, S=1, Hkv=1, G=1, D=2, dtype="fp32", layout=0, packed=False, seqlens=[INT32_MAX],
+        past_fill=[0], tsl=1, rotary="half", R=2, max_positions=1, position_ids=[[-1]])),
+    "positions_of_a_bad_row_in_a_long_prefill": (2 | 4, Spec(
+        op="inplace", B=3, S=_LONG, Hkv=1, G=1, D=8, dtype="fp32", layout=0, packed=False,
+        seqlens=[_LONG - 1, 100, _LONG + 49], past_fill=[0, 0, 50], C=_LONG + 100, rotary="half", R=8,
+        max_positions=_LONG + 100,
+        position_ids=[list(range(_LONG)), [-1] * _LONG, list(range(50, 50 + _LONG))])),
+    # Finding 5 (csrc/kernels/prep.cu): a functional call whose present has capacity 0
+    # (total_sequence_length 0, no past) launched no prep kernel, so nothing checked the row:
+    # no error, where total 1 > capacity 0 is flag 16.
+    "functional_present_of_capacity_zero": (16, Spec(
+        op="functional", B=1, S=1, Hkv=1, G=1, D=2, dtype="fp32", layout=0, packed=False, seqlens=[0],
+        past_fill=[0], tsl=0)),
+    # Finding 6 (this checker): the one-ulp mask of rotated new K rows was built BNSH for a BSNH
+    # present; it now takes the present's layout.
+    "bsnh_present_with_rotated_keys": (0, Spec(
+        op="functional", B=1, S=2, Hkv=3, G=1, D=2, dtype="fp32", layout=1, packed=False, seqlens=[1],
+        past_fill=[0], P=1, tsl=2, rotary="half", R=2, max_positions=2)),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", list(CUDA_FINDINGS))
+def test_regression_cuda_fuzz_findings(name, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA half of this regression needs one")
+    flags, spec = CUDA_FINDINGS[name]
+    spec = replace(spec, device=device)
+    assert expected_flags(spec) == flags  # the oracle agrees with the hand-computed flags
+    assert check_spec(spec) == ("gqa_error" if flags else "valid")
 
 
 # ---- summary ----------------------------------------------------------------------------------------

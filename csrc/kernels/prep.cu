@@ -6,6 +6,8 @@
 // ORs its flags into the word, and then no CTA of the call writes anything (every CTA checks
 // every row; explicit positions are checked by validate_rows_kernel first when there are
 // many). The query is not touched here: the attention kernels apply RoPE to it on load.
+#include <algorithm>
+
 #include "kernels.h"
 
 namespace gqa {
@@ -44,11 +46,15 @@ __device__ void call_flags_block(const Params& p, int b, bool check_positions, u
     if (bb == b) mine |= f;
   }
   if (check_positions && p.do_rotary && p.position_ids != nullptr) {
+    // As on CPU, a row whose bounds already fail is not checked for positions (its flags are
+    // those of its bounds).
     const int64_t n = static_cast<int64_t>(p.batch) * p.query_len;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
       if (!position_in_range(p, p.position_ids[i])) {
+        const int row = static_cast<int>(i / p.query_len);
+        if (row_geometry(p, p.seqlens_k[row]).flags != 0) continue;
         all |= kErrPosition;
-        if (i / p.query_len == b) mine |= kErrPosition;
+        if (row == b) mine |= kErrPosition;
       }
     }
   }
@@ -88,7 +94,7 @@ __global__ void __launch_bounds__(kPrepThreads) validate_rows_kernel(const __gri
   const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
   uint32_t flags = geometry_flags(p, g);
   int pos_bad = 0;
-  if (p.do_rotary && p.position_ids != nullptr) {
+  if (g.flags == 0 && p.do_rotary && p.position_ids != nullptr) {  // bounds first, as on CPU
     const int64_t* ids = p.position_ids + static_cast<int64_t>(b) * p.query_len;
     for (int s = threadIdx.x; s < p.query_len; s += blockDim.x) {
       if (!position_in_range(p, ids[s])) pos_bad = 1;
@@ -183,9 +189,10 @@ void launch_prep_t(const Params& p, bool check_positions, cudaStream_t stream) {
   const bool vec_past = vec_cache && p.past_key != nullptr && aligned16(p.past_key) && aligned16(p.past_value) &&
                         strides16(p.past_strides, esize);
   const int span = p.inplace ? p.query_len : p.capacity;
-  if (span <= 0) return;
   const int rows_per_cta = p.kv_heads >= 32 ? 1 : 32 / p.kv_heads;
-  const dim3 grid((span + rows_per_cta - 1) / rows_per_cta, p.batch);
+  // At least one CTA per row even with nothing to write (a functional present of capacity 0):
+  // the row checks and the error latch live here.
+  const dim3 grid(std::max(1, (span + rows_per_cta - 1) / rows_per_cta), p.batch);
   launch_kernel("prep_kernel", prep_kernel<T>, grid, dim3(kPrepThreads), 0, stream, p, rows_per_cta,
                 check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0);
 }
