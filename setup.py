@@ -96,6 +96,9 @@ def _extension():
     sources += sorted(glob.glob("csrc/kernels/*.cu"))
     defines = ["-DGQA_WITH_CUDA"]
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DGQA_WITH_CUDA"]
+    # The Hopper wgmma prefill exists only in sm90a code; without it prefill keeps mma.sync.
+    if any(a.startswith("9.0a") for a in re.split(r"[;\s,]+", archs)):
+        nvcc_flags.append("-DGQA_BUILT_SM90A")
     return cpp_extension.CUDAExtension(
         "gqa_torch._C",
         sources,

@@ -26,14 +26,14 @@ def run(q, k, v, capacity, wgmma):
     kc = torch.zeros(b, 1, capacity, d, device="cuda", dtype=q.dtype)
     vc = torch.zeros_like(kc)
     seqlens = torch.full((b,), s - 1, dtype=torch.int32, device="cuda")
-    gqa_torch._C._set_prefill_wgmma(wgmma)
+    gqa_torch._C._set_prefill_route("wgmma" if wgmma else "mma")
     try:
         out = gqa_torch.group_query_attention_(q, k, v, kc, vc, seqlens, num_heads=q.shape[-1] // d,
                                                kv_num_heads=1)
         torch.cuda.synchronize()
         gqa_torch.check_errors()
     finally:
-        gqa_torch._C._set_prefill_wgmma(False)
+        gqa_torch._C._set_prefill_route("auto")
     return out
 
 

@@ -139,19 +139,24 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-@pytest.fixture
-def wgmma_prefill():
-    gqa_torch._C._set_prefill_wgmma(True)
-    yield
-    gqa_torch._C._set_prefill_wgmma(False)
+@pytest.fixture(params=["mma", "wgmma"])
+def prefill_route(request):
+    """Pins the prefill kernel (the default, "auto", takes wgmma for head size 128 on sm90), so
+    that both variants stay tested at every head size."""
+    if request.param == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma prefill needs an sm90 GPU")
+    gqa_torch._C._set_prefill_route(request.param)
+    yield request.param
+    gqa_torch._C._set_prefill_route("auto")
 
 
 @pytest.mark.parametrize("seq", [2, 7, 64, 513, 1100])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
-def test_cuda_prefill_wgmma(seq, dtype, head_dim, wgmma_prefill):
-    """The experimental Hopper wgmma prefill (sm90): the same cases as test_cuda_prefill_sizes,
-    every feature in turn, in place (ragged chunks) and functional (padded first prompt)."""
+def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
+    """Each prefill kernel (mma.sync, and the Hopper wgmma variant on sm90) on the cases of
+    test_cuda_prefill_sizes, every feature in turn, in place (ragged chunks) and functional
+    (padded first prompt)."""
     for i, feat in enumerate(FEATURE_CYCLE):
         if seq == 1100 and i % 3:
             continue  # long rows: a third of the features

@@ -61,7 +61,8 @@ constexpr float kRescaleThreshold = 8.f;
 // SUB: BN-key sub-tiles per stage (one barrier per BN*SUB keys, registers sized by BN).
 // WGMMA: the S and P V products run as Hopper warpgroup MMAs (wgmma.cuh) on blocked,
 // 128-byte-swizzled tiles; the softmax is the same code (the wgmma accumulator layout of a
-// warp's 16 rows is the mma.sync one). Experimental: off unless set_prefill_wgmma(true).
+// warp's 16 rows is the mma.sync one). The default for padded head size 128 on sm90 (see
+// launch_typed).
 template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1,
           bool WGMMA_ = false>
 struct Config {
@@ -815,11 +816,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 using Cfg64 = Config<64, 4, 2, 64, 2, true, 2, false>;
 using Cfg128 = Config<128, 4, 2, 32, 2, false, 2, false, 2>;
 using Cfg256 = Config<256, 4, 1, 32, 2, false, 2, false>;
-// Experimental wgmma configs: two warpgroups (128 rows), 64-key tiles, two stages.
+// wgmma configs: two warpgroups (128 rows), 64-key tiles, two stages.
 using Cfg64W = Config<64, 8, 1, 64, 2, false, 1, false, 1, true>;
 using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 
-std::atomic<bool> g_wgmma{false};
+std::atomic<int> g_route{0};  // set_prefill_route
+
+// The wgmma instructions exist only in an sm90a build (elsewhere wgmma.cuh traps).
+#ifdef GQA_BUILT_SM90A
+constexpr bool kBuiltSm90a = true;
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
 
 // Whether the current device is an sm90 part (the wgmma configs are built for sm90a only).
 bool device_is_sm90() {
@@ -905,7 +913,9 @@ bool launch_config(Args& a, cudaStream_t stream) {
 
 template <typename T>
 bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
-  if (g_wgmma.load(std::memory_order_relaxed) && (dpad == 64 || dpad == 128) && device_is_sm90())
+  const int route = g_route.load(std::memory_order_relaxed);
+  const bool wgmma_wanted = route == 2 || (route == 0 && dpad == 128);
+  if (kBuiltSm90a && wgmma_wanted && (dpad == 64 || dpad == 128) && device_is_sm90())
     return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
   switch (dpad) {
     case 64: return launch_config<T, Cfg64>(a, stream);
@@ -917,7 +927,7 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
 
 }  // namespace pmma
 
-void set_prefill_wgmma(bool enabled) { pmma::g_wgmma.store(enabled, std::memory_order_relaxed); }
+void set_prefill_route(int route) { pmma::g_route.store(route, std::memory_order_relaxed); }
 
 bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
                         void* stream) {

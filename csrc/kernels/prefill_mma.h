@@ -18,9 +18,11 @@ namespace cuda {
 bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
                         void* stream);
 
-// Experimental (default off): head sizes up to 128 on sm90 take the Hopper wgmma variant of
-// the kernel (the build must target sm90a). For tests and benchmarks while it is validated.
-void set_prefill_wgmma(bool enabled);
+// Which variant of the kernel prefill takes (tests and benchmarks pin one):
+//   0 auto: the Hopper wgmma variant for padded head size 128 on an sm90 device when the build
+//           targets sm90a (measured faster there; slower at 64), mma.sync otherwise;
+//   1 mma.sync always; 2 wgmma whenever it can run (padded head size 64 or 128, sm90, sm90a build).
+void set_prefill_route(int route);
 
 }  // namespace cuda
 }  // namespace gqa

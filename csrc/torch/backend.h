@@ -25,9 +25,9 @@ at::Tensor error_word(int64_t device_index);
 // the plan's value. Process-wide.
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
 
-// Experimental: fp16/bf16 prefill with head sizes up to 128 on sm90 runs the Hopper wgmma
-// kernel (default off until validated). No-op in a CPU-only build.
-void set_prefill_wgmma(bool enabled);
+// Tests and benchmarks: pins the fp16/bf16 prefill kernel to "mma" (mma.sync) or "wgmma"
+// (Hopper, where it can run), or "auto" (the default). No-op in a CPU-only build.
+void set_prefill_route(const std::string& route);
 
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);

@@ -23,11 +23,11 @@ std::atomic<int32_t> g_split_override{0};
 std::atomic<int32_t> g_min_split_keys_override{0};
 }
 
-void set_prefill_wgmma(bool enabled) {
+void set_prefill_route(const std::string& route) {
+  const int code = route == "auto" ? 0 : route == "mma" ? 1 : route == "wgmma" ? 2 : -1;
+  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected \"auto\", \"mma\" or \"wgmma\", got \"", route, "\"");
 #ifdef GQA_WITH_CUDA
-  cuda::set_prefill_wgmma(enabled);
-#else
-  (void)enabled;
+  cuda::set_prefill_route(code);
 #endif
 }
 

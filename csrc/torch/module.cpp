@@ -12,8 +12,8 @@ PYBIND11_MODULE(_C, m) {
         "The sticky per-device error word, as an int32 tensor aliasing its fixed address.");
   m.def("set_synchronous_errors", &gqa::set_synchronous_errors, pybind11::arg("enabled"));
   m.def("synchronous_errors", &gqa::synchronous_errors);
-  m.def("_set_prefill_wgmma", &gqa::set_prefill_wgmma, pybind11::arg("enabled"),
-        "Experimental: the Hopper wgmma prefill kernel for fp16/bf16, head sizes up to 128 (default off).");
+  m.def("_set_prefill_route", &gqa::set_prefill_route, pybind11::arg("route"),
+        "Tests and benchmarks: the fp16/bf16 prefill kernel, \"auto\" (default), \"mma\" or \"wgmma\".");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("error_flag_messages", []() {
