@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Diagnoses the experimental wgmma prefill (device only) against the mma.sync kernel.
+"""Diagnoses the wgmma prefill routes (device only) against the mma.sync kernel.
 
-For a few plain causal prefills (bf16 and fp16, D = 64 and 128), runs the in-place op with the
-wgmma kernel and with the mma.sync kernel on the same inputs and prints the largest difference,
+For a few plain causal prefills (bf16 and fp16, D = 64 and 128), runs the in-place op with each
+wgmma route (plain and pipelined) and with the mma.sync kernel on the same inputs and prints the
+largest difference,
 then, when they differ, where: the error averaged per block of 8 output columns and per 8 query
 rows of a 64-row warpgroup tile. A wrong descriptor or fragment layout shows up as a pattern
 (whole column blocks, every other 8 rows, one warpgroup), not as noise.
@@ -20,13 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gqa_torch  # noqa: E402
 
 
-def run(q, k, v, capacity, wgmma):
+def run(q, k, v, capacity, route):
     b, s, _ = q.shape
     d = k.shape[-1] // 1
     kc = torch.zeros(b, 1, capacity, d, device="cuda", dtype=q.dtype)
     vc = torch.zeros_like(kc)
     seqlens = torch.full((b,), s - 1, dtype=torch.int32, device="cuda")
-    gqa_torch._C._set_prefill_route("wgmma" if wgmma else "mma")
+    gqa_torch._C._set_prefill_route(route)
     try:
         out = gqa_torch.group_query_attention_(q, k, v, kc, vc, seqlens, num_heads=q.shape[-1] // d,
                                                kv_num_heads=1)
@@ -35,6 +36,19 @@ def run(q, k, v, capacity, wgmma):
     finally:
         gqa_torch._C._set_prefill_route("auto")
     return out
+
+
+def explain(diff, s, g, d):
+    """Where the error sits: per 8 rows of a 64-row warpgroup tile and per 8-column block (a
+    wrong descriptor or fragment layout shows as a pattern, not as noise)."""
+    rows = diff.view(s * g, d)  # virtual rows r = token * G + head
+    n = (rows.shape[0] // 64) * 64
+    if n:
+        tile = rows[:n].view(-1, 64, d).mean(0)  # [64 rows of a warpgroup tile][D]
+        per_block = tile.view(8, 8, d // 8, 8).mean((1, 3))  # [row group][column block]
+        print("    mean error per (8 rows of the 64-row tile) x (8-column block):")
+        for i, line in enumerate(per_block.tolist()):
+            print(f"      rows {8 * i:2d}-{8 * i + 7:2d}: " + " ".join(f"{x:5.2f}" for x in line))
 
 
 def main() -> int:
@@ -47,22 +61,16 @@ def main() -> int:
                 q = torch.randn(1, s, g * d, device="cuda", dtype=dtype)
                 k = torch.randn(1, s, d, device="cuda", dtype=dtype)
                 v = torch.randn(1, s, d, device="cuda", dtype=dtype)
-                ref = run(q, k, v, s + 8, False).float()
-                out = run(q, k, v, s + 8, True).float()
-                diff = (out - ref).abs()
-                rel = (diff.max() / ref.abs().max()).item()
-                worst = max(worst, rel)
-                print(f"{str(dtype):15s} D={d:3d} S={s:3d} G={g}: max |wgmma - mma.sync| / max |ref| = {rel:.3g}"
-                      f"{'  (NaN present)' if torch.isnan(out).any() else ''}")
-                if rel > 1e-2:
-                    rows = diff.view(s * g, d)  # virtual rows r = token * G + head
-                    n = (rows.shape[0] // 64) * 64
-                    if n:
-                        tile = rows[:n].view(-1, 64, d).mean(0)  # [64 rows of a warpgroup tile][D]
-                        per_block = tile.view(8, 8, d // 8, 8).mean((1, 3))  # [row group][column block]
-                        print("    mean error per (8 rows of the 64-row tile) x (8-column block):")
-                        for i, line in enumerate(per_block.tolist()):
-                            print(f"      rows {8 * i:2d}-{8 * i + 7:2d}: " + " ".join(f"{x:5.2f}" for x in line))
+                ref = run(q, k, v, s + 8, "mma").float()
+                for route in ("wgmma", "wgmma_pipe"):
+                    out = run(q, k, v, s + 8, route).float()
+                    diff = (out - ref).abs()
+                    rel = (diff.max() / ref.abs().max()).item()
+                    worst = max(worst, rel)
+                    print(f"{str(dtype):15s} D={d:3d} S={s:3d} G={g}: max |{route} - mma.sync| / max |ref| = {rel:.3g}"
+                          f"{'  (NaN present)' if torch.isnan(out).any() else ''}")
+                    if rel > 1e-2:
+                        explain(diff, s, g, d)
     print(f"worst {worst:.3g}: {'OK' if worst < 1e-2 else 'MISMATCH'}")
     return 0 if worst < 1e-2 else 1
 

@@ -139,11 +139,11 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-@pytest.fixture(params=["mma", "wgmma"])
+@pytest.fixture(params=["mma", "wgmma", "wgmma_pipe"])
 def prefill_route(request):
     """Pins the prefill kernel (the default, "auto", takes wgmma for head size 128 on sm90), so
     that both variants stay tested at every head size."""
-    if request.param == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+    if request.param.startswith("wgmma") and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma prefill needs an sm90 GPU")
     gqa_torch._C._set_prefill_route(request.param)
     yield request.param

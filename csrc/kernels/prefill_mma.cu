@@ -91,7 +91,7 @@ struct Config {
   static_assert((kStageKeys * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
   static_assert(!PIPE_ || SUB_ == 1, "the pipelined order works on whole stages");
   static_assert(kStages >= 2, "at least double buffering");
-  static_assert(!WGMMA_ || (MT_ == 1 && BN_ == 64 && SUB_ == 1 && !PIPE_ && !QREGS_ && WARPS_ % 4 == 0 &&
+  static_assert(!WGMMA_ || (MT_ == 1 && BN_ == 64 && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
                             (D_ == 64 || D_ == 128)),
                 "wgmma: warpgroups of 64 rows, 64-key tiles, D = 64 or 128");
 };
@@ -398,6 +398,74 @@ struct WarpTile {
     wg::wait_all();
   }
 
+  // Pipelined wgmma order: S of the next tile and P V of this one are issued back to back as two
+  // groups; the next softmax runs on the CUDA cores while P V is on the tensor cores, and only
+  // the rescale of O waits for P V. P of the next tile goes to its own registers, since those of
+  // this tile are P V's A operand until it completes.
+  template <bool kMask, bool kCap>
+  __device__ __forceinline__ void tile_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_next,
+                                               uint32_t v_cur, int n0_next) {
+    static_assert(MT * NT * 4 == 32, "S is one m64n64 accumulator");
+    float sc[MT][NT][4];
+    float (&acc)[32] = reinterpret_cast<float (&)[32]>(sc);
+    float (&oacc)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
+    uint32_t (&pflat)[BN / 4] = reinterpret_cast<uint32_t (&)[BN / 4]>(pa);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    // Every register write to the operands happens before the fence (the pins keep the
+    // compiler from sinking the last rescale or P copy into the MMA pipeline, which makes
+    // ptxas serialise the wgmmas).
+    wg::pin_registers(acc);
+    wg::pin_registers(oacc);
+    wg::pin_registers(pflat);
+    wg::fence_operands();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wg::ss_m64n64<T>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_next, C::kStageKeys, ks), ks > 0);
+    wg::commit();
+    wg::fence_operands();  // P V is its own pipeline stage, so S can be waited for alone
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) wg::rs_m64<T, D>(oacc, pa[0][j], wg::mn_major(v_cur, C::kStageKeys, j), 1);
+    wg::commit();
+    wg::wait_pending<1>();  // S is ready; P V may still run
+    wg::pin_registers(acc);
+    uint32_t pn[MT][BN / 16][4];
+    float alpha[NR];
+    const bool rescale_o = softmax<kMask, kCap>(sc, pn, n0_next, alpha);
+    // The softmax must stay above the wait or nothing overlaps. The pins order it for the
+    // compiler; ptxas still sank most of the exponentials below the wait (SASS, nvcc 13.0)
+    // until the warpgroup barrier, which it does not schedule across.
+    wg::pin_registers(reinterpret_cast<uint32_t (&)[BN / 4]>(pn));
+    wg::pin_registers(alpha);
+    wg::pin_registers(m_ref);
+    wg::pin_registers(l_sum);
+    wg::warpgroup_barrier();
+    wg::wait_pending<0>();  // P V done: O and pa are free
+    // pa must stay live until here: P V reads it asynchronously, but to the compiler its last
+    // use is the wgmma issue, and reusing its registers for pn makes ptxas serialise.
+    wg::pin_registers(pflat);
+    wg::pin_registers(oacc);
+    if (rescale_o) rescale(alpha);
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[0][j][e] = pn[0][j][e];
+    wg::pin_registers(pflat);  // the copy stays here, out of the next tile's MMA pipeline
+  }
+
+  // The prologue of the pipelined wgmma order: S and softmax of the first tile.
+  template <bool kCap>
+  __device__ __forceinline__ void first_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_tile,
+                                                int n0, bool mask) {
+    float sc[MT][NT][4];
+    float alpha[NR];
+    compute_s_wg(sc, q_tile, k_tile);
+    if (mask)
+      softmax<true, kCap>(sc, pa, n0, alpha);
+    else
+      softmax<false, kCap>(sc, pa, n0, alpha);
+  }
+
   template <bool kMask, bool kCap>
   __device__ __forceinline__ void tile_wg(uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int n0) {
     float sc[MT][NT][4];
@@ -686,21 +754,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           if (cap) w.template tile_wg<false, true>(q_tile, k_tile, v_tile, n0s);
           else w.template tile_wg<false, false>(q_tile, k_tile, v_tile, n0s);
         }
-        if (++stage == C::kStages) stage = 0;
-        continue;
-      }
+      } else {
 #pragma unroll
-      for (int u = C::kSub - 1; u >= 0; --u) {
-        const int n0 = n0s + u * BN;
-        if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
-        const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
-        const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
-        if (needs_mask(n0)) {
-          if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
-          else w.template tile_plain<true, false>(k_st, v_st, n0);
-        } else {
-          if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
-          else w.template tile_plain<false, false>(k_st, v_st, n0);
+        for (int u = C::kSub - 1; u >= 0; --u) {
+          const int n0 = n0s + u * BN;
+          if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
+          const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
+          const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
+          if (needs_mask(n0)) {
+            if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
+            else w.template tile_plain<true, false>(k_st, v_st, n0);
+          } else {
+            if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
+            else w.template tile_plain<false, false>(k_st, v_st, n0);
+          }
         }
       }
       if (++stage == C::kStages) stage = 0;
@@ -709,18 +776,26 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     // Stages: iteration `it` reads V(it) and K(it+1) while tile it+2 streams in (>= 3 stages).
     static_assert(!C::kPipe || C::kStages >= 3, "the pipelined order keeps three tiles in flight");
     uint32_t pa[MT][BN / 16][4];
+    const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);  // wgmma only
     cp_async_wait<C::kStages - 2>();
+    if constexpr (C::kWgmma) wg::generic_to_async_proxy();
     __syncthreads();
     {
       const int n0 = tile_n0(0);
-      if (cap) w.template first_pipe<true>(pa, w.k_lane, n0, needs_mask(n0));
-      else w.template first_pipe<false>(pa, w.k_lane, n0, needs_mask(n0));
+      if constexpr (C::kWgmma) {
+        if (cap) w.template first_pipe_wg<true>(pa, q_tile, k_base, n0, needs_mask(n0));
+        else w.template first_pipe_wg<false>(pa, q_tile, k_base, n0, needs_mask(n0));
+      } else {
+        if (cap) w.template first_pipe<true>(pa, w.k_lane, n0, needs_mask(n0));
+        else w.template first_pipe<false>(pa, w.k_lane, n0, needs_mask(n0));
+      }
     }
     int stage = 0;  // stage of tile `it`
     for (int it = 0; it < n_tiles; ++it) {
       int s1 = stage + 1;
       if (s1 == C::kStages) s1 = 0;
       cp_async_wait<C::kStages - 3>();
+      if constexpr (C::kWgmma) wg::generic_to_async_proxy();
       __syncthreads();  // tile it+1 visible; every warp is done with tile it-1's stage
       {
         const int nt = it + C::kStages - 1;
@@ -729,19 +804,36 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         if (nt < n_tiles) load_tile(t_end - 1 - nt, ls);
         cp_async_commit();
       }
-      const uint32_t v_cur = w.v_lane + stage * C::kTileBytes;
-      if (it + 1 < n_tiles) {
-        const int n1 = tile_n0(it + 1);
-        const uint32_t k_next = w.k_lane + s1 * C::kTileBytes;
-        if (needs_mask(n1)) {
-          if (cap) w.template tile_pipe<true, true>(pa, k_next, v_cur, n1);
-          else w.template tile_pipe<true, false>(pa, k_next, v_cur, n1);
+      if constexpr (C::kWgmma) {
+        const uint32_t v_cur = v_base + stage * C::kTileBytes;
+        if (it + 1 < n_tiles) {
+          const int n1 = tile_n0(it + 1);
+          const uint32_t k_next = k_base + s1 * C::kTileBytes;
+          if (needs_mask(n1)) {
+            if (cap) w.template tile_pipe_wg<true, true>(pa, q_tile, k_next, v_cur, n1);
+            else w.template tile_pipe_wg<true, false>(pa, q_tile, k_next, v_cur, n1);
+          } else {
+            if (cap) w.template tile_pipe_wg<false, true>(pa, q_tile, k_next, v_cur, n1);
+            else w.template tile_pipe_wg<false, false>(pa, q_tile, k_next, v_cur, n1);
+          }
         } else {
-          if (cap) w.template tile_pipe<false, true>(pa, k_next, v_cur, n1);
-          else w.template tile_pipe<false, false>(pa, k_next, v_cur, n1);
+          w.pv_wg(pa, v_cur);
         }
       } else {
-        w.pv(pa, v_cur);
+        const uint32_t v_cur = w.v_lane + stage * C::kTileBytes;
+        if (it + 1 < n_tiles) {
+          const int n1 = tile_n0(it + 1);
+          const uint32_t k_next = w.k_lane + s1 * C::kTileBytes;
+          if (needs_mask(n1)) {
+            if (cap) w.template tile_pipe<true, true>(pa, k_next, v_cur, n1);
+            else w.template tile_pipe<true, false>(pa, k_next, v_cur, n1);
+          } else {
+            if (cap) w.template tile_pipe<false, true>(pa, k_next, v_cur, n1);
+            else w.template tile_pipe<false, false>(pa, k_next, v_cur, n1);
+          }
+        } else {
+          w.pv(pa, v_cur);
+        }
       }
       stage = s1;
     }
@@ -819,6 +911,10 @@ using Cfg256 = Config<256, 4, 1, 32, 2, false, 2, false>;
 // wgmma configs: two warpgroups (128 rows), 64-key tiles, two stages.
 using Cfg64W = Config<64, 8, 1, 64, 2, false, 1, false, 1, true>;
 using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
+// The same with the pipelined order (S of the next tile and P V of this one in flight
+// together; three stages): experimental, route 3 only until measured.
+using Cfg64WP = Config<64, 8, 1, 64, 3, false, 1, true, 1, true>;
+using Cfg128WP = Config<128, 8, 1, 64, 3, false, 1, true, 1, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
@@ -914,8 +1010,10 @@ bool launch_config(Args& a, cudaStream_t stream) {
 template <typename T>
 bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
   const int route = g_route.load(std::memory_order_relaxed);
-  const bool wgmma_wanted = route == 2 || (route == 0 && dpad == 128);
-  if (kBuiltSm90a && wgmma_wanted && (dpad == 64 || dpad == 128) && device_is_sm90())
+  const bool can_wgmma = kBuiltSm90a && (dpad == 64 || dpad == 128) && device_is_sm90();
+  if (can_wgmma && route == 3)
+    return dpad == 64 ? launch_config<T, Cfg64WP>(a, stream) : launch_config<T, Cfg128WP>(a, stream);
+  if (can_wgmma && (route == 2 || (route == 0 && dpad == 128)))
     return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
   switch (dpad) {
     case 64: return launch_config<T, Cfg64>(a, stream);

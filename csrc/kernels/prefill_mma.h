@@ -21,7 +21,8 @@ bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, 
 // Which variant of the kernel prefill takes (tests and benchmarks pin one):
 //   0 auto: the Hopper wgmma variant for padded head size 128 on an sm90 device when the build
 //           targets sm90a (measured faster there; slower at 64), mma.sync otherwise;
-//   1 mma.sync always; 2 wgmma whenever it can run (padded head size 64 or 128, sm90, sm90a build).
+//   1 mma.sync always; 2 wgmma whenever it can run (padded head size 64 or 128, sm90, sm90a build);
+//   3 (experimental) the pipelined wgmma order where wgmma can run.
 void set_prefill_route(int route);
 
 }  // namespace cuda

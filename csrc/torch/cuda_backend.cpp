@@ -24,8 +24,9 @@ std::atomic<int32_t> g_min_split_keys_override{0};
 }
 
 void set_prefill_route(const std::string& route) {
-  const int code = route == "auto" ? 0 : route == "mma" ? 1 : route == "wgmma" ? 2 : -1;
-  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected \"auto\", \"mma\" or \"wgmma\", got \"", route, "\"");
+  const int code = route == "auto" ? 0 : route == "mma" ? 1 : route == "wgmma" ? 2 : route == "wgmma_pipe" ? 3 : -1;
+  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected \"auto\", \"mma\", \"wgmma\" or \"wgmma_pipe\", got \"",
+                    route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
