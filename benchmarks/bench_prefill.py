@@ -95,7 +95,7 @@ def attention_rows(args, ceiling):
         # Each kernel pinned, next to the default route ("ours"): mma.sync, and the Hopper wgmma
         # variant (head sizes up to 128).
         t_route = {}
-        for route in ("mma", "wgmma", "wgmma_pipe"):
+        for route in ("mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128"):
             if route.startswith("wgmma") and d > 128:
                 t_route[route] = float("nan")
                 continue
@@ -130,11 +130,12 @@ def attention_rows(args, ceiling):
         tf = lambda t: flops / (t * 1e-6) / 1e12  # noqa: E731
         row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours), mma_TFLOPs=tf(t_route["mma"]),
                    wgmma_TFLOPs=tf(t_route["wgmma"]), wgmma_pipe_TFLOPs=tf(t_route["wgmma_pipe"]),
+                   wgmma_n128_TFLOPs=tf(t_route["wgmma_n128"]), wgmma_pipe_n128_TFLOPs=tf(t_route["wgmma_pipe_n128"]),
                    flash_TFLOPs=tf(t_flash),
                    cudnn_TFLOPs=tf(t_cudnn), flex_TFLOPs=tf(t_flex), vs_flash=t_flash / t_ours,
                    vs_cudnn=t_cudnn / t_ours, pct_of_gemm=100 * tf(t_ours) / ceiling,
                    whole_op_us=t_whole, rope_write_cudnn_us=t_unfused, whole_vs_unfused=t_unfused / t_whole)
-        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s (mma.sync {row['mma_TFLOPs']:.0f}, wgmma {row['wgmma_TFLOPs']:.0f}, pipelined {row['wgmma_pipe_TFLOPs']:.0f}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
+        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s (mma.sync {row['mma_TFLOPs']:.0f}, wgmma {row['wgmma_TFLOPs']:.0f}, pipelined {row['wgmma_pipe_TFLOPs']:.0f}, n128 {row['wgmma_n128_TFLOPs']:.0f}, pipelined n128 {row['wgmma_pipe_n128_TFLOPs']:.0f}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
                  f"{row['cudnn_TFLOPs']:.0f} | flex {row['flex_TFLOPs']:.0f} | whole {t_whole:.0f} us vs "
                  f"RoPE+write+cuDNN {t_unfused:.0f} us")
         rows.append(row)
@@ -185,7 +186,7 @@ def main():
                 gemm_TFLOPs=round(ceiling, 1), timing="median of CUDA-graph replays, inputs rotated beyond L2")
     progress(f"  {ceiling:.0f} TFLOP/s")
     rows = attention_rows(args, ceiling)
-    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", "mma_TFLOPs", "wgmma_TFLOPs", "wgmma_pipe_TFLOPs", "flash_TFLOPs", "cudnn_TFLOPs", "flex_TFLOPs", "vs_flash",
+    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", "mma_TFLOPs", "wgmma_TFLOPs", "wgmma_pipe_TFLOPs", "wgmma_n128_TFLOPs", "wgmma_pipe_n128_TFLOPs", "flash_TFLOPs", "cudnn_TFLOPs", "flex_TFLOPs", "vs_flash",
             "vs_cudnn", "pct_of_gemm", "whole_op_us", "rope_write_cudnn_us", "whole_vs_unfused"]
     text = write_tables("prefill", meta, rows, cols, "Causal prefill, bf16, 32/8 heads")
     bar_plot("prefill", [f"B{r['B']} L{r['L']} D{r['D']}" for r in rows],

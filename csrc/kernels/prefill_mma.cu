@@ -91,9 +91,9 @@ struct Config {
   static_assert((kStageKeys * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
   static_assert(!PIPE_ || SUB_ == 1, "the pipelined order works on whole stages");
   static_assert(kStages >= 2, "at least double buffering");
-  static_assert(!WGMMA_ || (MT_ == 1 && BN_ == 64 && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
+  static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
                             (D_ == 64 || D_ == 128)),
-                "wgmma: warpgroups of 64 rows, 64-key tiles, D = 64 or 128");
+                "wgmma: warpgroups of 64 rows, 64- or 128-key tiles, D = 64 or 128");
 };
 
 // Everything the kernel reads, passed by value as one __grid_constant__ parameter.
@@ -377,14 +377,14 @@ struct WarpTile {
   // ---- the wgmma engine (C::kWgmma): this warp's warpgroup computes its 64 rows at once;
   // q_tile / k_tile / v_tile are shared-window addresses of blocked tiles (wgmma.cuh).
   __device__ __forceinline__ void compute_s_wg(float (&sc)[MT][NT][4], uint32_t q_tile, uint32_t k_tile) const {
-    static_assert(MT * NT * 4 == 32, "S is one m64n64 accumulator");
-    float (&acc)[32] = reinterpret_cast<float (&)[32]>(sc);
+    static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
+    float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     wg::fence_operands();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wg::ss_m64n64<T>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_tile, C::kStageKeys, ks), ks > 0);
+      wg::ss_m64<T, BN>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_tile, C::kStageKeys, ks), ks > 0);
     wg::commit();
     wg::wait_all();
   }
@@ -405,13 +405,13 @@ struct WarpTile {
   template <bool kMask, bool kCap>
   __device__ __forceinline__ void tile_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_next,
                                                uint32_t v_cur, int n0_next) {
-    static_assert(MT * NT * 4 == 32, "S is one m64n64 accumulator");
+    static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
     float sc[MT][NT][4];
-    float (&acc)[32] = reinterpret_cast<float (&)[32]>(sc);
+    float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
     float (&oacc)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
     uint32_t (&pflat)[BN / 4] = reinterpret_cast<uint32_t (&)[BN / 4]>(pa);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     // Every register write to the operands happens before the fence (the pins keep the
     // compiler from sinking the last rescale or P copy into the MMA pipeline, which makes
     // ptxas serialise the wgmmas).
@@ -421,7 +421,7 @@ struct WarpTile {
     wg::fence_operands();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wg::ss_m64n64<T>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_next, C::kStageKeys, ks), ks > 0);
+      wg::ss_m64<T, BN>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_next, C::kStageKeys, ks), ks > 0);
     wg::commit();
     wg::fence_operands();  // P V is its own pipeline stage, so S can be waited for alone
 #pragma unroll
@@ -915,6 +915,12 @@ using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 // together; three stages): experimental, route 3 only until measured.
 using Cfg64WP = Config<64, 8, 1, 64, 3, false, 1, true, 1, true>;
 using Cfg128WP = Config<128, 8, 1, 64, 3, false, 1, true, 1, true>;
+// Both with 128-key tiles (S is m64n128: half the barriers and softmax passes per key; the
+// pipelined D = 128 one uses 225 KB of shared memory): experimental, routes 4 and 5.
+using Cfg64W2 = Config<64, 8, 1, 128, 2, false, 1, false, 1, true>;
+using Cfg128W2 = Config<128, 8, 1, 128, 2, false, 1, false, 1, true>;
+using Cfg64WP2 = Config<64, 8, 1, 128, 3, false, 1, true, 1, true>;
+using Cfg128WP2 = Config<128, 8, 1, 128, 3, false, 1, true, 1, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
@@ -1013,6 +1019,10 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
   const bool can_wgmma = kBuiltSm90a && (dpad == 64 || dpad == 128) && device_is_sm90();
   if (can_wgmma && route == 3)
     return dpad == 64 ? launch_config<T, Cfg64WP>(a, stream) : launch_config<T, Cfg128WP>(a, stream);
+  if (can_wgmma && route == 4)
+    return dpad == 64 ? launch_config<T, Cfg64W2>(a, stream) : launch_config<T, Cfg128W2>(a, stream);
+  if (can_wgmma && route == 5)
+    return dpad == 64 ? launch_config<T, Cfg64WP2>(a, stream) : launch_config<T, Cfg128WP2>(a, stream);
   if (can_wgmma && (route == 2 || (route == 0 && dpad == 128)))
     return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
   switch (dpad) {

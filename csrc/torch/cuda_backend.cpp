@@ -24,9 +24,12 @@ std::atomic<int32_t> g_min_split_keys_override{0};
 }
 
 void set_prefill_route(const std::string& route) {
-  const int code = route == "auto" ? 0 : route == "mma" ? 1 : route == "wgmma" ? 2 : route == "wgmma_pipe" ? 3 : -1;
-  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected \"auto\", \"mma\", \"wgmma\" or \"wgmma_pipe\", got \"",
-                    route, "\"");
+  static const char* const kRoutes[] = {"auto", "mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128"};
+  int code = -1;
+  for (int i = 0; i < 6; ++i)
+    if (route == kRoutes[i]) code = i;
+  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_pipe, wgmma_n128, ",
+                    "wgmma_pipe_n128, got \"", route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
