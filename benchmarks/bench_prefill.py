@@ -19,6 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import gqa_torch
 from common import bar_plot, progress, sets_for_bytes, time_graph, write_tables
 
+# The prefill kernels timed side by side (gqa_torch._C._set_prefill_route); "ours" is the default.
+ROUTES = ("mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128", "wgmma_ws", "wgmma_ws_pipe")
 GRID = [(8, 1024, 128), (2, 4096, 128), (1, 16384, 128), (2, 4096, 64), (2, 4096, 256)]  # B, L, D
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16
@@ -92,11 +94,10 @@ def attention_rows(args, ceiling):
 
         t_ours = time_graph(ours, n)
         t_whole = time_graph(ours_whole, n)
-        # Each kernel pinned, next to the default route ("ours"): mma.sync, and the Hopper wgmma
-        # variant (head sizes up to 128).
+        # Each kernel pinned (ROUTES), next to the default route ("ours").
         t_route = {}
-        for route in ("mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128"):
-            if route.startswith("wgmma") and d > 128:
+        for route in ROUTES:
+            if route.startswith("wgmma") and d > 128:  # the wgmma kernels: head sizes up to 128
                 t_route[route] = float("nan")
                 continue
             gqa_torch._C._set_prefill_route(route)
@@ -128,14 +129,14 @@ def attention_rows(args, ceiling):
             t_unfused = float("nan")
         flops = causal_flops(b, length, d)
         tf = lambda t: flops / (t * 1e-6) / 1e12  # noqa: E731
-        row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours), mma_TFLOPs=tf(t_route["mma"]),
-                   wgmma_TFLOPs=tf(t_route["wgmma"]), wgmma_pipe_TFLOPs=tf(t_route["wgmma_pipe"]),
-                   wgmma_n128_TFLOPs=tf(t_route["wgmma_n128"]), wgmma_pipe_n128_TFLOPs=tf(t_route["wgmma_pipe_n128"]),
+        row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours),
+                   **{f"{route}_TFLOPs": tf(t_route[route]) for route in ROUTES},
                    flash_TFLOPs=tf(t_flash),
                    cudnn_TFLOPs=tf(t_cudnn), flex_TFLOPs=tf(t_flex), vs_flash=t_flash / t_ours,
                    vs_cudnn=t_cudnn / t_ours, pct_of_gemm=100 * tf(t_ours) / ceiling,
                    whole_op_us=t_whole, rope_write_cudnn_us=t_unfused, whole_vs_unfused=t_unfused / t_whole)
-        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s (mma.sync {row['mma_TFLOPs']:.0f}, wgmma {row['wgmma_TFLOPs']:.0f}, pipelined {row['wgmma_pipe_TFLOPs']:.0f}, n128 {row['wgmma_n128_TFLOPs']:.0f}, pipelined n128 {row['wgmma_pipe_n128_TFLOPs']:.0f}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
+        routes = ", ".join(f"{route} {row[route + '_TFLOPs']:.0f}" for route in ROUTES)
+        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s ({routes}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
                  f"{row['cudnn_TFLOPs']:.0f} | flex {row['flex_TFLOPs']:.0f} | whole {t_whole:.0f} us vs "
                  f"RoPE+write+cuDNN {t_unfused:.0f} us")
         rows.append(row)
@@ -186,8 +187,8 @@ def main():
                 gemm_TFLOPs=round(ceiling, 1), timing="median of CUDA-graph replays, inputs rotated beyond L2")
     progress(f"  {ceiling:.0f} TFLOP/s")
     rows = attention_rows(args, ceiling)
-    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", "mma_TFLOPs", "wgmma_TFLOPs", "wgmma_pipe_TFLOPs", "wgmma_n128_TFLOPs", "wgmma_pipe_n128_TFLOPs", "flash_TFLOPs", "cudnn_TFLOPs", "flex_TFLOPs", "vs_flash",
-            "vs_cudnn", "pct_of_gemm", "whole_op_us", "rope_write_cudnn_us", "whole_vs_unfused"]
+    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", *[f"{route}_TFLOPs" for route in ROUTES], "flash_TFLOPs",
+            "cudnn_TFLOPs", "flex_TFLOPs", "vs_flash", "vs_cudnn", "pct_of_gemm", "whole_op_us", "rope_write_cudnn_us", "whole_vs_unfused"]
     text = write_tables("prefill", meta, rows, cols, "Causal prefill, bf16, 32/8 heads")
     bar_plot("prefill", [f"B{r['B']} L{r['L']} D{r['D']}" for r in rows],
              {"gqa_torch": [r["ours_TFLOPs"] for r in rows], "SDPA flash": [r["flash_TFLOPs"] for r in rows],

@@ -139,7 +139,10 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-@pytest.fixture(params=["mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128"])
+PREFILL_ROUTES = ["mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128", "wgmma_ws", "wgmma_ws_pipe"]
+
+
+@pytest.fixture(params=PREFILL_ROUTES)
 def prefill_route(request):
     """Pins the prefill kernel (the default, "auto", takes wgmma for head size 128 on sm90), so
     that both variants stay tested at every head size."""

@@ -63,8 +63,12 @@ constexpr float kRescaleThreshold = 8.f;
 // 128-byte-swizzled tiles; the softmax is the same code (the wgmma accumulator layout of a
 // warp's 16 rows is the mma.sync one). The default for padded head size 128 on sm90 (see
 // launch_typed).
+// WS: warp specialisation (wgmma only): one more warpgroup streams K/V with cp.async into
+// stages guarded by mbarriers (full: landed; empty: released by every computing thread), so the
+// computing warpgroups never meet at a CTA-wide barrier; the register file is split between
+// them (setmaxnreg).
 template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1,
-          bool WGMMA_ = false>
+          bool WGMMA_ = false, bool WS_ = false>
 struct Config {
   static constexpr int D = D_;
   static constexpr int kWarps = WARPS_;
@@ -76,7 +80,11 @@ struct Config {
   static constexpr bool kPipe = PIPE_;  // S of tile t+1 issued before P V of tile t
   static constexpr int kSub = SUB_;     // BN-key sub-tiles per shared-memory stage
   static constexpr int kStageKeys = BN_ * SUB_;
-  static constexpr int kThreads = 32 * WARPS_;
+  static constexpr bool kWarpSpecialized = WS_;
+  static constexpr int kConsumerThreads = 32 * WARPS_;  // the warps that compute (all, without WS)
+  static constexpr int kLoaderThreads = WS_ ? 128 : kConsumerThreads;
+  static constexpr int kThreads = kConsumerThreads + (WS_ ? 128 : 0);
+  static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;  // WS: 128 * 40 + 256 * 232 <= 64 K
   static constexpr int kWarpRows = 16 * MT_;
   static constexpr int BM = kWarpRows * WARPS_;
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -88,7 +96,8 @@ struct Config {
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + (WGMMA_ ? 1024 : 0);
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
   static_assert(BN % 16 == 0, "BN must be a multiple of 16");
-  static_assert((kStageKeys * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
+  static_assert((kStageKeys * kChunks) % kLoaderThreads == 0, "every loader copies the same number of chunks");
+  static_assert(!WS_ || (WGMMA_ && WARPS_ == 8), "warp specialisation: two wgmma warpgroups and a loader");
   static_assert(!PIPE_ || SUB_ == 1, "the pipelined order works on whole stages");
   static_assert(kStages >= 2, "at least double buffering");
   static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
@@ -526,6 +535,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   unsigned char* const smem =
       C::kWgmma ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
   __shared__ uint32_t s_error;
+  __shared__ __align__(8) uint64_t s_full[C::kStages], s_empty[C::kStages];  // WS only
 
   const Params& p = a.p;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -542,17 +552,26 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const int m0 = mblk * C::BM;
   const int wrow0 = m0 + warp * C::kWarpRows;
 
-  if (tid == 0)
+  if (tid == 0) {
     s_error = p.error_word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(p.error_word) : 0u;
+    if constexpr (C::kWarpSpecialized) {
+      for (int s = 0; s < C::kStages; ++s) {
+        wg::mbarrier_init(smem_addr(&s_full[s]), C::kLoaderThreads);
+        wg::mbarrier_init(smem_addr(&s_empty[s]), C::kConsumerThreads);
+      }
+    }
+  }
   __syncthreads();
+  const bool computes = warp < C::kWarps;  // false only for the WS loader warps
+  // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
   const RowGeometry geo = row_geometry(p, p.seqlens_k[b]);
   if (s_error != 0u || geo.flags != 0u) {
-    fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
+    if (computes) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
     return;
   }
   const int valid_rows = geo.valid_queries * G;
   if (m0 >= valid_rows) {  // first-prompt padding only
-    fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, 0u, lane);
+    if (computes) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, 0u, lane);
     return;
   }
 
@@ -573,9 +592,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const uint32_t v_base = k_base + C::kStages * C::kTileBytes;
 
   // ---- K/V tile loader (all threads): thread copies chunk ld_c of rows ld_r + k*LD_STEP ------
-  constexpr int LD_STEP = C::kThreads / CH;
-  constexpr int LD_N = C::kStageKeys * CH / C::kThreads;
-  const int ld_c = tid % CH, ld_r = tid / CH;
+  constexpr int LD_STEP = C::kLoaderThreads / CH;
+  constexpr int LD_N = C::kStageKeys * CH / C::kLoaderThreads;
+  const int ld_tid = C::kWarpSpecialized ? tid - C::kConsumerThreads : tid;
+  const int ld_c = ld_tid % CH, ld_r = ld_tid / CH;
   const bool ld_col_ok = ld_c * 8 < p.head_dim;
   const int64_t kv_off = static_cast<int64_t>(b) * p.cache_strides.batch +
                          static_cast<int64_t>(kvh) * p.cache_strides.head + ld_c * 8;
@@ -615,11 +635,26 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     return (n0 + BN - 1 > pos_min) || (n0 + BN > total) || (W > 0 && n0 <= pos_max - W);
   };
 
-  // Start streaming K/V before touching Q, so the copies overlap the Q load and RoPE.
+  if constexpr (C::kWarpSpecialized) {
+    if (!computes) {  // the loader warpgroup: every tile of the CTA, in loop order, then done
+      wg::release_registers<C::kLoaderRegs>();
+      for (int it = 0; it < n_tiles; ++it) {
+        const int stage = it % C::kStages;
+        if (it >= C::kStages) wg::mbarrier_wait(smem_addr(&s_empty[stage]), ((it / C::kStages) - 1) & 1);
+        load_tile(t_end - 1 - it, stage);
+        wg::mbarrier_arrive_on_cp_async(smem_addr(&s_full[stage]));
+      }
+      cp_async_wait<0>();
+      return;
+    }
+    wg::claim_registers<C::kConsumerRegs>();
+  } else {
+    // Start streaming K/V before touching Q, so the copies overlap the Q load and RoPE.
 #pragma unroll
-  for (int st = 0; st < C::kStages - 1; ++st) {
-    if (st < n_tiles) load_tile(t_end - 1 - st, st);
-    cp_async_commit();
+    for (int st = 0; st < C::kStages - 1; ++st) {
+      if (st < n_tiles) load_tile(t_end - 1 - st, st);
+      cp_async_commit();
+    }
   }
 
   WT w;
@@ -729,7 +764,57 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   }
   const bool cap = a.softcap_on != 0;
 
-  if constexpr (!C::kPipe) {
+  if constexpr (C::kWarpSpecialized) {
+    // Each warpgroup meets once, so that its Q tile is complete before its first wgmma; from
+    // then on only the stage mbarriers order anything.
+    wg::warpgroup_barrier();
+    const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
+    auto wait_full = [&](int it) {
+      wg::mbarrier_wait(smem_addr(&s_full[it % C::kStages]), (it / C::kStages) & 1);
+      wg::generic_to_async_proxy();  // the landed cp.async data, for wgmma
+    };
+    auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&s_empty[it % C::kStages])); };
+    auto k_tile = [&](int it) { return k_base + (it % C::kStages) * C::kTileBytes; };
+    auto v_tile = [&](int it) { return v_base + (it % C::kStages) * C::kTileBytes; };
+    if constexpr (C::kPipe) {
+      uint32_t pa[MT][BN / 16][4];
+      wait_full(0);
+      {
+        const int n0 = tile_n0(0);
+        if (cap) w.template first_pipe_wg<true>(pa, q_tile, k_tile(0), n0, needs_mask(n0));
+        else w.template first_pipe_wg<false>(pa, q_tile, k_tile(0), n0, needs_mask(n0));
+      }
+      for (int it = 0; it < n_tiles; ++it) {
+        if (it + 1 < n_tiles) {
+          wait_full(it + 1);
+          const int n1 = tile_n0(it + 1);
+          if (needs_mask(n1)) {
+            if (cap) w.template tile_pipe_wg<true, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
+            else w.template tile_pipe_wg<true, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
+          } else {
+            if (cap) w.template tile_pipe_wg<false, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
+            else w.template tile_pipe_wg<false, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
+          }
+        } else {
+          w.pv_wg(pa, v_tile(it));
+        }
+        release(it);  // K(it) and V(it) are read (every wgmma of this iteration has completed)
+      }
+    } else {
+      for (int it = 0; it < n_tiles; ++it) {
+        wait_full(it);
+        const int n0 = tile_n0(it);
+        if (needs_mask(n0)) {
+          if (cap) w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0);
+          else w.template tile_wg<true, false>(q_tile, k_tile(it), v_tile(it), n0);
+        } else {
+          if (cap) w.template tile_wg<false, true>(q_tile, k_tile(it), v_tile(it), n0);
+          else w.template tile_wg<false, false>(q_tile, k_tile(it), v_tile(it), n0);
+        }
+        release(it);
+      }
+    }
+  } else if constexpr (!C::kPipe) {
     int stage = 0;
     for (int it = 0; it < n_tiles; ++it) {
       cp_async_wait<C::kStages - 2>();
@@ -921,6 +1006,12 @@ using Cfg64W2 = Config<64, 8, 1, 128, 2, false, 1, false, 1, true>;
 using Cfg128W2 = Config<128, 8, 1, 128, 2, false, 1, false, 1, true>;
 using Cfg64WP2 = Config<64, 8, 1, 128, 3, false, 1, true, 1, true>;
 using Cfg128WP2 = Config<128, 8, 1, 128, 3, false, 1, true, 1, true>;
+// Warp-specialised (a loader warpgroup, mbarrier stages, setmaxnreg), plain and pipelined
+// order, 64-key tiles, three stages: experimental, routes 6 and 7.
+using Cfg64WS = Config<64, 8, 1, 64, 3, false, 1, false, 1, true, true>;
+using Cfg128WS = Config<128, 8, 1, 64, 3, false, 1, false, 1, true, true>;
+using Cfg64WSP = Config<64, 8, 1, 64, 3, false, 1, true, 1, true, true>;
+using Cfg128WSP = Config<128, 8, 1, 64, 3, false, 1, true, 1, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
@@ -1023,6 +1114,10 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64W2>(a, stream) : launch_config<T, Cfg128W2>(a, stream);
   if (can_wgmma && route == 5)
     return dpad == 64 ? launch_config<T, Cfg64WP2>(a, stream) : launch_config<T, Cfg128WP2>(a, stream);
+  if (can_wgmma && route == 6)
+    return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream) : launch_config<T, Cfg128WS>(a, stream);
+  if (can_wgmma && route == 7)
+    return dpad == 64 ? launch_config<T, Cfg64WSP>(a, stream) : launch_config<T, Cfg128WSP>(a, stream);
   if (can_wgmma && (route == 2 || (route == 0 && dpad == 128)))
     return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
   switch (dpad) {

@@ -88,6 +88,55 @@ __device__ __forceinline__ void wait_pending() {
 __device__ __forceinline__ void warpgroup_barrier() {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x >> 7)) : "memory");
 }
+// ---- warp specialisation: shared-memory mbarriers and the register split ---------------------
+// An mbarrier completes a phase when `count` arrivals have happened; waiters name the phase by
+// its parity (0 for the first, then alternating).
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+#if GQA_WGMMA_ENABLED
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+#if GQA_WGMMA_ENABLED
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+#endif
+}
+// One arrival, made by the hardware once every cp.async this thread issued so far has landed
+// (the thread itself goes on at once).
+__device__ __forceinline__ void mbarrier_arrive_on_cp_async(uint32_t bar) {
+#if GQA_WGMMA_ENABLED
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+#if GQA_WGMMA_ENABLED
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// The register split between the loading warpgroup and the computing ones (all four warps of a
+// warpgroup execute it together).
+template <int kRegs>
+__device__ __forceinline__ void release_registers() {
+#if GQA_WGMMA_ENABLED
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void claim_registers() {
+#if GQA_WGMMA_ENABLED
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+// A barrier of the computing warps only (named barrier 3; 1 and 2 are the warpgroup barriers).
+__device__ __forceinline__ void consumer_barrier(int threads) {
+  asm volatile("bar.sync 3, %0;\n" ::"r"(threads) : "memory");
+}
+
 // Ties accumulator registers to this point of the program: reads after it (and writes before
 // it) cannot be moved across it, so a wait placed before it really precedes the reads. Without
 // it the compiler may hoist arithmetic on an accumulator above the wait, and ptxas then
