@@ -16,6 +16,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+
+#include <sys/wait.h>
 #include <vector>
 
 namespace {
@@ -171,15 +174,17 @@ double run(int mode, int swap, const std::vector<__nv_bfloat16>& a, const std::v
   cudaFree(d_d);
   if (e != cudaSuccess) {
     std::printf("    CUDA error: %s\n", cudaGetErrorString(e));
-    std::exit(1);  // the context is gone
+    std::exit(2);  // the context is gone
   }
   double worst = 0;
   for (int i = 0; i < kM * N; ++i) worst = std::isnan(out[i]) ? INFINITY : std::fmax(worst, std::fabs(out[i] - ref[i]));
   return worst;
 }
 
+// One probe: N, mode (0 SS K-major B, 1 SS MN-major B, 2 RS MN-major B), swap (the MN-major
+// byte-offset convention). Returns 0 when it matches the reference.
 template <int N>
-int check() {
+int check(int mode, int swap) {
   std::vector<__nv_bfloat16> a(kM * kK), b_nk(N * kK), b_kn(kK * N);
   std::vector<float> af(kM * kK), bf(N * kK);
   std::srand(N);
@@ -203,24 +208,39 @@ int check() {
       ref[m * N + n] = static_cast<float>(acc);
     }
   const double tol = 1e-3;
-  int failures = 0;
-  const double e0 = run<N>(0, 0, a, b_nk, ref);
-  failures += !(e0 < tol);
-  std::printf("m64n%dk16 SS, K-major B:  max |err| %.3g  %s\n", N, e0, e0 < tol ? "OK" : "FAIL");
-  for (int mode = 1; mode <= 2; ++mode)
-    for (int swap = 0; swap <= 1; ++swap) {
-      const double e = run<N>(mode, swap, a, b_kn, ref);
-      std::printf("m64n%dk16 %s, MN-major B, %s: max |err| %.3g  %s\n", N, mode == 1 ? "SS" : "RS",
-                  swap ? "LBO = k-atom stride, SBO = n-block stride" : "LBO = n-block stride, SBO = k-atom stride", e,
-                  e < tol ? "OK" : "FAIL");
-    }
-  return failures;
+  const double e = run<N>(mode, swap, a, mode == 0 ? b_nk : b_kn, ref);
+  if (mode == 0) {
+    std::printf("m64n%dk16 SS, K-major B:  max |err| %.3g  %s\n", N, e, e < tol ? "OK" : "FAIL");
+  } else {
+    std::printf("m64n%dk16 %s, MN-major B, %s: max |err| %.3g  %s\n", N, mode == 1 ? "SS" : "RS",
+                swap ? "LBO = k-atom stride, SBO = n-block stride" : "LBO = n-block stride, SBO = k-atom stride", e,
+                e < tol ? "OK" : "FAIL");
+  }
+  return e < tol ? 0 : 1;
 }
 
 }  // namespace
 
-int main() {
-  const int failures = check<64>() + check<128>();
-  std::printf("%s\n", failures == 0 ? "K-major probes OK" : "K-major probe FAILED");
-  return failures == 0 ? 0 : 1;
+// Without arguments: every probe, each in a child process (a wrong descriptor can fault, which
+// ends the CUDA context, and the other probes must still run). With "N mode swap": that probe.
+int main(int argc, char** argv) {
+  if (argc == 4) {
+    const int n = std::atoi(argv[1]), mode = std::atoi(argv[2]), swap = std::atoi(argv[3]);
+    return n == 64 ? check<64>(mode, swap) : check<128>(mode, swap);
+  }
+  int failures = 0;
+  for (int n : {64, 128})
+    for (int mode = 0; mode <= 2; ++mode)
+      for (int swap = 0; swap <= (mode == 0 ? 0 : 1); ++swap) {
+        const std::string cmd = std::string(argv[0]) + " " + std::to_string(n) + " " + std::to_string(mode) + " " +
+                                std::to_string(swap);
+        std::fflush(stdout);
+        const int rc = std::system(cmd.c_str());
+        if (rc != 0) {
+          ++failures;
+          if (!WIFEXITED(rc) || WEXITSTATUS(rc) != 1) std::printf("    (probe \"%s\" faulted)\n", cmd.c_str());
+        }
+      }
+  std::printf("%d probe(s) failed; exactly one MN-major convention per N and mode is expected to pass\n", failures);
+  return 0;
 }
