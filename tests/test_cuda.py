@@ -139,7 +139,8 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-PREFILL_ROUTES = ["mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128", "wgmma_ws", "wgmma_ws_pipe"]
+PREFILL_ROUTES = ["mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128", "wgmma_ws", "wgmma_ws_pipe",
+                  "wgmma_ws_pingpong"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)

@@ -116,6 +116,7 @@ struct Args {
   int32_t softcap_on;
   float k2;             // log2-domain multiplier of the (transformed) score
   float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(y) = 1 - 2/(2^(s*tanh_k)+1)
+  int32_t pingpong;     // warp-specialised pipelined wgmma only: the warpgroups take turns
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -411,9 +412,12 @@ struct WarpTile {
   // groups; the next softmax runs on the CUDA cores while P V is on the tensor cores, and only
   // the rescale of O waits for P V. P of the next tile goes to its own registers, since those of
   // this tile are P V's A operand until it completes.
+  // turn_wait / turn_signal (ping-pong, 0: off): named barriers this warpgroup waits at before
+  // issuing its MMAs and signals after, so that the two warpgroups alternate: one computes its
+  // softmax while the other's MMAs run.
   template <bool kMask, bool kCap>
   __device__ __forceinline__ void tile_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_next,
-                                               uint32_t v_cur, int n0_next) {
+                                               uint32_t v_cur, int n0_next, int turn_wait = 0, int turn_signal = 0) {
     static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
     float sc[MT][NT][4];
     float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
@@ -427,6 +431,7 @@ struct WarpTile {
     wg::pin_registers(acc);
     wg::pin_registers(oacc);
     wg::pin_registers(pflat);
+    if (turn_wait) wg::named_barrier_sync(turn_wait, 256);
     wg::fence_operands();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
@@ -436,6 +441,7 @@ struct WarpTile {
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) wg::rs_m64<T, D>(oacc, pa[0][j], wg::mn_major(v_cur, C::kStageKeys, j), 1);
     wg::commit();
+    if (turn_signal) wg::named_barrier_arrive(turn_signal, 256);
     wg::wait_pending<1>();  // S is ready; P V may still run
     wg::pin_registers(acc);
     uint32_t pn[MT][BN / 16][4];
@@ -784,16 +790,24 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         if (cap) w.template first_pipe_wg<true>(pa, q_tile, k_tile(0), n0, needs_mask(n0));
         else w.template first_pipe_wg<false>(pa, q_tile, k_tile(0), n0, needs_mask(n0));
       }
+      // Ping-pong (a.pingpong): warpgroup g waits at barrier 3 + g and signals 3 + (1 - g). Each
+      // side does n_tiles - 1 turns; warpgroup 1 lets warpgroup 0 start, and skips its last
+      // signal, so that every wait is matched by exactly one signal.
+      const int group = warp >> 2;
+      const int own_turn = a.pingpong ? 3 + group : 0;
+      const int other_turn = a.pingpong ? 4 - group : 0;
+      if (a.pingpong && group == 1 && n_tiles > 1) wg::named_barrier_arrive(3, 256);
       for (int it = 0; it < n_tiles; ++it) {
         if (it + 1 < n_tiles) {
           wait_full(it + 1);
           const int n1 = tile_n0(it + 1);
+          const int signal = group == 1 && it + 2 == n_tiles ? 0 : other_turn;
           if (needs_mask(n1)) {
-            if (cap) w.template tile_pipe_wg<true, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
-            else w.template tile_pipe_wg<true, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
+            if (cap) w.template tile_pipe_wg<true, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1, own_turn, signal);
+            else w.template tile_pipe_wg<true, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1, own_turn, signal);
           } else {
-            if (cap) w.template tile_pipe_wg<false, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
-            else w.template tile_pipe_wg<false, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
+            if (cap) w.template tile_pipe_wg<false, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1, own_turn, signal);
+            else w.template tile_pipe_wg<false, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1, own_turn, signal);
           }
         } else {
           w.pv_wg(pa, v_tile(it));
@@ -1116,8 +1130,10 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64WP2>(a, stream) : launch_config<T, Cfg128WP2>(a, stream);
   if (can_wgmma && route == 6)
     return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream) : launch_config<T, Cfg128WS>(a, stream);
-  if (can_wgmma && route == 7)
+  if (can_wgmma && (route == 7 || route == 8)) {
+    a.pingpong = route == 8 ? 1 : 0;
     return dpad == 64 ? launch_config<T, Cfg64WSP>(a, stream) : launch_config<T, Cfg128WSP>(a, stream);
+  }
   if (can_wgmma && (route == 2 || (route == 0 && dpad == 128)))
     return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
   switch (dpad) {

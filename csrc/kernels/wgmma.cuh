@@ -137,6 +137,15 @@ __device__ __forceinline__ void consumer_barrier(int threads) {
   asm volatile("bar.sync 3, %0;\n" ::"r"(threads) : "memory");
 }
 
+// Named barriers across the two computing warpgroups (256 threads): one waits at its own,
+// the other arrives at it without waiting. Used to take turns issuing MMAs (ping-pong).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Ties accumulator registers to this point of the program: reads after it (and writes before
 // it) cannot be moved across it, so a wait placed before it really precedes the reads. Without
 // it the compiler may hoist arithmetic on an accumulator above the wait, and ptxas then
