@@ -28,6 +28,8 @@
 // geometry is invalid, or any row when the sticky error word is set, gets NaN outputs.
 #include "prefill_mma.h"
 
+#include <cuda.h>  // CUtensorMap (the encoder is fetched through the runtime, no -lcuda)
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -117,6 +119,10 @@ struct Args {
   float k2;             // log2-domain multiplier of the (transformed) score
   float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(y) = 1 - 2/(2^(s*tanh_k)+1)
   int32_t pingpong;     // warp-specialised pipelined wgmma only: the warpgroups take turns
+  int32_t use_tma;      // warp-specialised only: whole K/V tiles by TMA through the maps below
+  // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
+  CUtensorMap k_map;
+  CUtensorMap v_map;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -646,9 +652,28 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       wg::release_registers<C::kLoaderRegs>();
       for (int it = 0; it < n_tiles; ++it) {
         const int stage = it % C::kStages;
+        const uint32_t full = smem_addr(&s_full[stage]);
         if (it >= C::kStages) wg::mbarrier_wait(smem_addr(&s_empty[stage]), ((it / C::kStages) - 1) & 1);
-        load_tile(t_end - 1 - it, stage);
-        wg::mbarrier_arrive_on_cp_async(smem_addr(&s_full[stage]));
+        const int tile = t_end - 1 - it;
+        // TMA only for tiles that lie wholly below `total`: keys past it must read as zeros (a
+        // zero weight times a stale NaN is NaN), which only cp.async's zero fill gives.
+        if (a.use_tma && (tile + 1) * C::kStageKeys <= total) {
+          if (ld_tid == 0) {
+            wg::mbarrier_arrive_expect_bytes(full, 2 * C::kTileBytes);
+            const uint32_t k_dst = k_base + stage * C::kTileBytes, v_dst = v_base + stage * C::kTileBytes;
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) {  // 64-column blocks of the blocked tile
+              const uint32_t off = cb * C::kStageKeys * 128;
+              wg::tma_load_4d(k_dst + off, &a.k_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
+              wg::tma_load_4d(v_dst + off, &a.v_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
+            }
+          } else {
+            wg::mbarrier_arrive(full);
+          }
+        } else {
+          load_tile(tile, stage);
+          wg::mbarrier_arrive_on_cp_async(full);
+        }
       }
       cp_async_wait<0>();
       return;
@@ -1051,6 +1076,34 @@ bool device_is_sm90() {
 }
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// A TMA map of one cache ([B][Hkv][C][D] in whatever order its strides say) in boxes of 64
+// columns x `box_keys` keys, 128-byte swizzled as the blocked tiles are (wgmma.cuh). False when
+// the driver has no encoder or refuses the layout; the caller then keeps cp.async.
+bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int box_keys) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const TokenStrides s = p.cache_strides;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.capacity),
+                              static_cast<cuuint64_t>(p.kv_heads), static_cast<cuuint64_t>(p.batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(s.token) * 2, static_cast<cuuint64_t>(s.head) * 2,
+                                 static_cast<cuuint64_t>(s.batch) * 2};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_keys), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type =
+      p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 inline bool strides8(const TokenStrides& s) { return s.batch % 8 == 0 && s.token % 8 == 0 && s.head % 8 == 0; }
 
 // Fills `a` and returns the padded head size, or 0 when the case is not covered.
@@ -1130,8 +1183,12 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64WP2>(a, stream) : launch_config<T, Cfg128WP2>(a, stream);
   if (can_wgmma && route == 6)
     return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream) : launch_config<T, Cfg128WS>(a, stream);
-  if (can_wgmma && (route == 7 || route == 8)) {
-    a.pingpong = route == 8 ? 1 : 0;
+  if (can_wgmma && route >= 7 && route <= 10) {  // pipelined warp-specialised: ping-pong, TMA
+    a.pingpong = route == 8 || route == 10 ? 1 : 0;
+    a.use_tma = route >= 9 && encode_cache_map(&a.k_map, a.p.key_cache, a.p, Cfg128WSP::kStageKeys) &&
+                        encode_cache_map(&a.v_map, a.p.value_cache, a.p, Cfg128WSP::kStageKeys)
+                    ? 1
+                    : 0;
     return dpad == 64 ? launch_config<T, Cfg64WSP>(a, stream) : launch_config<T, Cfg128WSP>(a, stream);
   }
   if (can_wgmma && (route == 2 || (route == 0 && dpad == 128)))

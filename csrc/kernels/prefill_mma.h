@@ -24,7 +24,8 @@ bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, 
 //   1 mma.sync always; 2 wgmma whenever it can run (padded head size 64 or 128, sm90, sm90a build);
 //   3 (experimental) the pipelined wgmma order where wgmma can run; 4 and 5 (experimental) routes
 //   2 and 3 with 128-key tiles; 6 and 7 (experimental) routes 2 and 3 warp-specialised; 8
-//   (experimental) route 7 with the two computing warpgroups taking turns (ping-pong).
+//   (experimental) route 7 with the two computing warpgroups taking turns (ping-pong); 9 and 10
+//   (experimental) routes 7 and 8 loading whole K/V tiles by TMA.
 void set_prefill_route(int route);
 
 }  // namespace cuda

@@ -118,6 +118,27 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 #endif
 }
+// Arrival that also announces `bytes` of TMA data the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
+#if GQA_WGMMA_ENABLED
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+// TMA: one box of a 4-D tensor map (a __grid_constant__ kernel parameter, by generic address)
+// to shared memory; completes as bytes on the mbarrier.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+#if GQA_WGMMA_ENABLED
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+#endif
+}
+
 // The register split between the loading warpgroup and the computing ones (all four warps of a
 // warpgroup execute it together).
 template <int kRegs>
