@@ -96,10 +96,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["timeline", "ncu"], required=True)
     parser.add_argument("--row", choices=sorted(ROWS), nargs="+", required=True)
+    parser.add_argument("--prefill-route", default="auto", help="the prefill kernel (_C._set_prefill_route)")
     args = parser.parse_args()
     if not gqa_torch.cuda_kernels_available():
         print("profile_decode: needs a GPU and a CUDA build", file=sys.stderr)
         return 2
+    gqa_torch._C._set_prefill_route(args.prefill_route)
     for row in args.row:
         (timeline if args.mode == "timeline" else eager)(row)
     return 0

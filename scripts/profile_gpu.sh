@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The profile round (device only): build, the graph timeline of each row, then Nsight Compute
 # over the decode/merge/prefill kernels of each row. Full ncu output: $OUT/ncu_<row>.log; the
-# key lines are printed. Usage: bash scripts/profile_gpu.sh [rows...]
+# key lines are printed. Usage: bash scripts/profile_gpu.sh [rows...]; GQA_PREFILL_ROUTE picks the
+# prefill kernel (see _C._set_prefill_route; default auto).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -13,11 +14,12 @@ if [ -z "${GQA_SKIP_BUILD:-}" ]; then
   TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} GQA_REQUIRE_CUDA=1 \
     python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
 fi
-python3 scripts/profile_decode.py --mode timeline --row $rows 2>&1 | grep -v Warning
+route=${GQA_PREFILL_ROUTE:-auto}
+python3 scripts/profile_decode.py --mode timeline --prefill-route "$route" --row $rows 2>&1 | grep -v Warning
 for row in $rows; do
   ncu --clock-control none -k "regex:decode_mma|merge_kernel|prefill_mma" --launch-skip 2 --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    python3 scripts/profile_decode.py --mode ncu --row "$row" > "$OUT/ncu_$row.log" 2>&1
+    python3 scripts/profile_decode.py --mode ncu --prefill-route "$route" --row "$row" > "$OUT/ncu_$row.log" 2>&1
   echo "== ncu $row"
   grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|stalled|Registers Per|Waves Per SM|ERROR|rror" \
     "$OUT/ncu_$row.log" | cut -c1-220 | head -40
