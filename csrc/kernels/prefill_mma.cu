@@ -650,6 +650,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   if constexpr (C::kWarpSpecialized) {
     if (!computes) {  // the loader warpgroup: every tile of the CTA, in loop order, then done
       wg::release_registers<C::kLoaderRegs>();
+      // A cp.async tile is announced one tile late: each loader waits for its own copies, makes
+      // them visible to the async proxy (wgmma) and only then arrives, so that the writer
+      // fences, as the memory model asks; meanwhile the next tile is already in flight.
+      int pending = -1;  // the cp.async tile not announced yet
+      auto announce_pending = [&](bool newer_group) {
+        if (pending < 0) return;
+        if (newer_group) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        wg::generic_to_async_proxy();
+        wg::mbarrier_arrive(smem_addr(&s_full[pending % C::kStages]));
+        pending = -1;
+      };
       for (int it = 0; it < n_tiles; ++it) {
         const int stage = it % C::kStages;
         const uint32_t full = smem_addr(&s_full[stage]);
@@ -670,12 +682,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           } else {
             wg::mbarrier_arrive(full);
           }
+          announce_pending(false);
         } else {
           load_tile(tile, stage);
-          wg::mbarrier_arrive_on_cp_async(full);
+          cp_async_commit();
+          announce_pending(true);
+          pending = it;
         }
       }
-      cp_async_wait<0>();
+      announce_pending(false);
       return;
     }
     wg::claim_registers<C::kConsumerRegs>();
@@ -800,10 +815,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     // then on only the stage mbarriers order anything.
     wg::warpgroup_barrier();
     const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
-    auto wait_full = [&](int it) {
-      wg::mbarrier_wait(smem_addr(&s_full[it % C::kStages]), (it / C::kStages) & 1);
-      wg::generic_to_async_proxy();  // the landed cp.async data, for wgmma
-    };
+    // (The loader fenced its cp.async data for the async proxy before arriving; TMA writes
+    // through the async proxy itself.)
+    auto wait_full = [&](int it) { wg::mbarrier_wait(smem_addr(&s_full[it % C::kStages]), (it / C::kStages) & 1); };
     auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&s_empty[it % C::kStages])); };
     auto k_tile = [&](int it) { return k_base + (it % C::kStages) * C::kTileBytes; };
     auto v_tile = [&](int it) { return v_base + (it % C::kStages) * C::kTileBytes; };

@@ -101,13 +101,6 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
 #endif
 }
-// One arrival, made by the hardware once every cp.async this thread issued so far has landed
-// (the thread itself goes on at once).
-__device__ __forceinline__ void mbarrier_arrive_on_cp_async(uint32_t bar) {
-#if GQA_WGMMA_ENABLED
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 #if GQA_WGMMA_ENABLED
   asm volatile(
