@@ -605,3 +605,16 @@ def test_error_word_api_without_cuda():
     if not gqa_torch._C.built_with_cuda():  # a CUDA build on a GPU-less machine fails in the driver instead
         with pytest.raises(RuntimeError, match="error word exists only in a CUDA build"):
             gqa_torch._C.error_word(0)
+
+
+def test_tuning_switches_name_what_they_expect():
+    """The private switches that tests and benchmarks use refuse bad values with a message that
+    names the switch and the accepted values, and leave the setting as it was."""
+    with pytest.raises(ValueError, match=r'gqa: prefill route: expected .*auto.*mma.*wgmma.*, got "nope"'):
+        gqa_torch._C._set_prefill_route("nope")
+    gqa_torch._C._set_prefill_route("auto")
+    with pytest.raises(ValueError, match=r"gqa: max_splits: expected 0\.\.128, got 129"):
+        gqa_torch._C._set_decode_split_override(129, 0)
+    with pytest.raises(ValueError, match=r"gqa: min_split_keys: expected 0\.\.1048576, got -1"):
+        gqa_torch._C._set_decode_split_override(0, -1)
+    gqa_torch._C._set_decode_split_override(0, 0)  # back to the plan's own choice
