@@ -173,6 +173,22 @@ def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
         _run_cuda_and_cpu(case)
 
 
+@pytest.mark.parametrize("seq", [2, 33])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_prefill_split_k(seq, dtype, head_dim, prefill_route):
+    """A short chunk on a long cache (speculative verification, small chunks): few query
+    blocks (at most 8 CTAs here) and a capacity of 4100, so the plan splits every query block's
+    key range (into 4) and the merge combines the parts. Every feature, both ops and layouts;
+    one row's chunk ends exactly at the capacity, the other's in the middle of a split, and the
+    unused cache rows hold NaN (a part must read only visible keys, as zeros past the end)."""
+    for i, feat in enumerate(FEATURE_CYCLE):
+        case = make_case(["inplace", "functional"][i % 2], batch=2, seq=seq, num_heads=8, kv_num_heads=2,
+                         head_dim=head_dim, capacity=4100, past_lengths=[4100 - seq, 1500 + 37 * i],
+                         layout=(i // 2) % 2, dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("batch,past", [(1, [4000]), (4, [1, 900, 3000, 257]), (2, [255, 256])])
 @pytest.mark.parametrize("op", ["inplace", "functional"])

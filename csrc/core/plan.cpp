@@ -29,8 +29,25 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     if (splits > by_capacity) splits = by_capacity < 1 ? 1 : by_capacity;
     plan.max_splits = static_cast<int32_t>(splits);
   } else {
+    // A short query chunk on a long cache (speculative verification, small chunks) has few
+    // query blocks, so few CTAs would each stream the whole cache while most SMs idle. Then
+    // the key range of each query block is split (merged as in decode), enough to fill the
+    // SMs, each split at least 1024 keys of the capacity. The tensor-core prefill takes it;
+    // the kernels that do not split ignore it (launch.cu).
     plan.max_splits = 1;
     plan.min_split_keys = 0;
+    const int64_t rows = static_cast<int64_t>(p.query_len) * (p.kv_heads > 0 ? p.q_heads / p.kv_heads : 1);
+    const int64_t ctas = (rows + 127) / 128 * p.kv_heads * p.batch;  // query blocks of <= 128 rows
+    if (ctas > 0 && ctas < device.sm_count && p.capacity >= 2048) {
+      int64_t splits = device.sm_count / ctas;
+      const int64_t by_capacity = p.capacity / 1024;
+      if (splits > by_capacity) splits = by_capacity;
+      if (splits > 32) splits = 32;
+      // Scratch bound: 64 MiB of partial outputs.
+      const int64_t per_split = static_cast<int64_t>(p.batch) * p.query_len * p.q_heads * p.head_dim * 4;
+      while (splits > 1 && per_split * splits > (64LL << 20)) --splits;
+      if (splits > 1) plan.max_splits = static_cast<int32_t>(splits);
+    }
   }
 
   layout_workspace(plan, p);
@@ -38,11 +55,11 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
 }
 
 void layout_workspace(Plan& plan, const Params& p) {
-  // Count, then carve. Only split-K decode needs scratch; every other call needs none.
+  // Count, then carve. Only split-K (decode, or prefill of a short chunk) needs scratch.
   plan.workspace = WorkspaceLayout{};
   size_t offset = 0;
-  if (plan.route == Route::kDecode && plan.max_splits > 1) {
-    const size_t heads = static_cast<size_t>(p.batch) * p.q_heads * plan.max_splits;
+  if (plan.max_splits > 1) {
+    const size_t heads = static_cast<size_t>(p.batch) * p.query_len * p.q_heads * plan.max_splits;
     plan.workspace.partial_out = offset;
     offset += align_workspace(sizeof(float) * heads * p.head_dim);
     plan.workspace.partial_lse = offset;

@@ -22,14 +22,15 @@ enum class Route : int32_t {
 
 // Byte offsets into one workspace allocation (count, then carve).
 struct WorkspaceLayout {
-  size_t partial_out = 0;     // float [B, Hq, max_splits, D]   (decode only)
-  size_t partial_lse = 0;     // float [B, Hq, max_splits]      (decode only)
+  size_t partial_out = 0;     // float [B, S, Hq, max_splits, D]   (split-K only)
+  size_t partial_lse = 0;     // float [B, S, Hq, max_splits]      (split-K only)
   size_t total_bytes = 0;
 };
 
 struct Plan {
   Route route = Route::kDecode;
-  int32_t max_splits = 1;     // upper bound on split-K CTAs per (row, kv head)
+  int32_t max_splits = 1;     // decode: upper bound on split-K CTAs per (row, kv head); prefill:
+                              // the key-range splits of every query block (1: none)
   int32_t min_split_keys = 0; // smallest key chunk one split takes
   WorkspaceLayout workspace;
 };

@@ -26,8 +26,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Split-K scratch (plan.workspace): partial outputs normalised by their own sum, and their
 // log2-sum-exp. Null when the plan has one split.
 struct Work {
-  float* partial_out = nullptr;  // [B, Hq, max_splits, D]
-  float* partial_lse = nullptr;  // [B, Hq, max_splits], log2 domain
+  float* partial_out = nullptr;  // [B, S, Hq, max_splits, D]: each split's normalised output
+  float* partial_lse = nullptr;  // [B, S, Hq, max_splits]: its log-sum-exp, log2 domain
   int32_t max_splits = 1;
   int32_t min_split_keys = 1;
 };

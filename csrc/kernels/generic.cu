@@ -6,8 +6,10 @@
 // online softmax once, then every lane accumulates its own dims over the chunk's values.
 // Decode (S == 1) uses the same split-K as the tensor-core path; prefill uses one split.
 //
-// merge_kernel: one CTA per (row, query head): combines the active splits' partial outputs by
-// their log-sum-exp, with the head sink / smooth-softmax logit in the denominator.
+// merge_kernel: one CTA per (row, query token, query head): combines the active splits' partial
+// outputs by their log-sum-exp, with the head sink / smooth-softmax logit in the denominator.
+// Decode splits by row length; prefill (a short chunk on a long cache) splits every query
+// block's key range into the plan's number of parts.
 #include "kernels.h"
 
 namespace gqa {
@@ -150,12 +152,14 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int idx = blockIdx.x;
-  const int b = idx / p.q_heads;
-  const int h = idx - b * p.q_heads;
+  const int idx = blockIdx.x;  // ((b * S) + s) * Hq + h
+  const int per_row = p.query_len * p.q_heads;
+  const int b = idx / per_row;
+  const int s = (idx - b * per_row) / p.q_heads;
+  const int h = idx - b * per_row - s * p.q_heads;
   const int D = p.head_dim;
   const TokenStrides os = p.output_strides;
-  T* out = static_cast<T*>(p.output) + b * os.batch + h * os.head;
+  T* out = static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(s) * os.token + h * os.head;
   pdl_wait();
   pdl_launch_dependents();
 
@@ -164,9 +168,18 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
     for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(quiet_nan());
     return;
   }
-  const KeyRange vis = visible_keys(p, g.total, g.query_start);
-  const int active = active_splits(vis.hi - vis.lo, w.max_splits, w.min_split_keys);
-  if (active <= 1) return;  // the attention kernel wrote this row itself
+  int active;
+  if (p.query_len == 1) {  // decode: the splits this row's length uses
+    const KeyRange vis = visible_keys(p, g.total, g.query_start);
+    active = active_splits(vis.hi - vis.lo, w.max_splits, w.min_split_keys);
+    if (active <= 1) return;  // the attention kernel wrote this row itself
+  } else {  // prefill split-K: every part wrote its partial (-inf where it saw no key)
+    if (s >= g.valid_queries) {  // first-prompt padding: exactly zero
+      for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(0.f);
+      return;
+    }
+    active = w.max_splits;
+  }
 
   const int64_t base = static_cast<int64_t>(idx) * w.max_splits;
   const float lse = tid < active ? w.partial_lse[base + tid] : -INFINITY;
@@ -243,8 +256,9 @@ void launch_merge_t(const Params& p, const Work& w, cudaStream_t stream) {
   constexpr auto kernel = merge_kernel<T>;
   const size_t smem = kMergeWarps * static_cast<size_t>(p.head_dim) * sizeof(float);
   ensure_smem<kernel>(smem, "merge_kernel");
-  const int items = p.batch * p.q_heads;
-  launch_kernel("merge_kernel", kernel, dim3(items), dim3(kMergeThreads), smem, stream, p, w);
+  const int64_t items = static_cast<int64_t>(p.batch) * p.query_len * p.q_heads;  // one CTA per output row
+  if (items > INT_MAX) throw std::runtime_error("gqa: internal error: too many rows to merge");
+  launch_kernel("merge_kernel", kernel, dim3(static_cast<unsigned>(items)), dim3(kMergeThreads), smem, stream, p, w);
 }
 
 }  // namespace

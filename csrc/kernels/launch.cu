@@ -2,7 +2,7 @@
 //
 //   decode, in-place, tensor-core eligible:  decode_mma(fused)          [+ merge]
 //   decode, otherwise:                       prep -> decode_mma|generic [+ merge]
-//   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu)|generic
+//   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu) [+ merge]|generic
 //
 // Tensor-core eligible: fp16/bf16, D in {64, 80, 96, 128, 256}, and a cache whose rows are
 // 16-byte aligned (cp.async). Everything else takes the generic CUDA-core kernel.
@@ -38,9 +38,9 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
   char* ws = static_cast<char*>(workspace);
 
   detail::Work w;
-  w.max_splits = plan.route == Route::kDecode ? plan.max_splits : 1;
+  w.max_splits = plan.max_splits;
   w.min_split_keys = plan.min_split_keys > 0 ? plan.min_split_keys : 1;
-  if (w.max_splits > 128) throw std::runtime_error("gqa: internal error: at most 128 decode splits are supported");
+  if (w.max_splits > 128) throw std::runtime_error("gqa: internal error: at most 128 splits are supported");
   if (w.max_splits > 1) {
     w.partial_out = reinterpret_cast<float*>(ws + plan.workspace.partial_out);
     w.partial_lse = reinterpret_cast<float*>(ws + plan.workspace.partial_lse);
@@ -70,8 +70,13 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
   if (separate_check) detail::launch_validate_rows(p, stream);
   detail::launch_prep(p, !separate_check, stream);
   // The tensor-core kernel reads q in place (packed or not) and rotates it on load; it
-  // declines fp32, unsupported head sizes and misaligned rows, which take the generic kernel.
-  if (launch_prefill_mma(p, p.query, p.query_strides, p.do_rotary, stream)) return;
+  // declines fp32, unsupported head sizes and misaligned rows, which take the generic kernel
+  // (which does not split). When the plan splits the key range, the merge finishes the rows.
+  if (launch_prefill_mma(p, p.query, p.query_strides, p.do_rotary, w.partial_out, w.partial_lse, w.max_splits,
+                         stream)) {
+    if (w.max_splits > 1) detail::launch_merge(p, w, stream);
+    return;
+  }
   detail::Work w1;
   detail::launch_generic(p, w1, stream);
 }

@@ -118,6 +118,9 @@ struct Args {
   int32_t softcap_on;
   float k2;             // log2-domain multiplier of the (transformed) score
   float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(y) = 1 - 2/(2^(s*tanh_k)+1)
+  int32_t splits;       // key-range splits per query block (grid.y); > 1: partials for the merge
+  float* partial_out;   // [B, S, Hq, splits, D], each split's normalised output
+  float* partial_lse;   // [B, S, Hq, splits], log2 domain; -inf where a split saw no key
   int32_t pingpong;     // warp-specialised pipelined wgmma only: the warpgroups take turns
   int32_t use_tma;      // warp-specialised only: whole K/V tiles by TMA through the maps below
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
@@ -577,13 +580,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const bool computes = warp < C::kWarps;  // false only for the WS loader warps
   // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
   const RowGeometry geo = row_geometry(p, p.seqlens_k[b]);
+  const bool split_k = a.splits > 1;  // then the merge writes every output row, these included
   if (s_error != 0u || geo.flags != 0u) {
-    if (computes) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
+    if (computes && !split_k) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
     return;
   }
   const int valid_rows = geo.valid_queries * G;
   if (m0 >= valid_rows) {  // first-prompt padding only
-    if (computes) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, 0u, lane);
+    if (computes && !split_k) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, 0u, lane);
     return;
   }
 
@@ -637,9 +641,31 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const int key_lo = W > 0 ? max(0, pos_min - W + 1) : 0;
   const int key_hi = min(total, pos_max + 1);
   constexpr int SK = C::kStageKeys;
-  const int t_first = key_lo / SK;
-  const int t_end = (key_hi + SK - 1) / SK;
-  const int n_tiles = t_end - t_first;  // >= 1: every valid row sees its own position
+  int t_first = key_lo / SK;
+  int t_end = (key_hi + SK - 1) / SK;  // t_end - t_first >= 1: every valid row sees its own position
+  // This row's partial of split `blockIdx.y` (split-K): index into [B, S, Hq, splits].
+  auto partial_row = [&](int r) -> int64_t {
+    const int s = r / G, h = kvh * G + (r - s * G);
+    return ((static_cast<int64_t>(b) * p.query_len + s) * p.q_heads + h) * a.splits + blockIdx.y;
+  };
+  if (split_k) {  // this CTA takes part blockIdx.y of the query block's tiles
+    const int per = (t_end - t_first + a.splits - 1) / a.splits;
+    const int lo = t_first + static_cast<int>(blockIdx.y) * per;
+    const int hi = min(t_end, lo + per);
+    if (lo >= hi) {  // an empty part: zero weight (lse -inf) and finite values for the merge
+      for (int i = lane; computes && i < C::kWarpRows; i += 32) {
+        const int r = wrow0 + i;
+        if (r >= valid_rows) continue;
+        const int64_t row = partial_row(r);
+        a.partial_lse[row] = -INFINITY;
+        for (int d = 0; d < p.head_dim; ++d) a.partial_out[row * p.head_dim + d] = 0.f;
+      }
+      return;
+    }
+    t_first = lo;
+    t_end = hi;
+  }
+  const int n_tiles = t_end - t_first;
   // Stage tile `it` of the loop covers keys [n0(it), n0(it) + SK), last tile first.
   auto tile_n0 = [&](int it) { return (t_end - 1 - it) * SK; };
   // Whether some row of the CTA cannot see some key of the tile (causal, total, window).
@@ -977,6 +1003,32 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     }
   }
 
+  // ---- split-K: this part's normalised rows and their log-sum-exps, for the merge -------------
+  if (split_k) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      float l = w.l_sum[i];
+      l += __shfl_xor_sync(kFull, l, 1);
+      l += __shfl_xor_sync(kFull, l, 2);
+      const int row = (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
+      const int r = wrow0 + row;
+      if (r >= valid_rows) continue;  // padding (the merge writes its zeros) or past the end
+      const bool seen = l > 0.f && w.m_ref[i] != -INFINITY;
+      const float inv = seen ? 1.f / l : 0.f;
+      const int64_t pr = partial_row(r);
+      if ((lane & 3) == 0) a.partial_lse[pr] = seen ? w.m_ref[i] * a.k2 + __log2f(l) : -INFINITY;
+      float* const dst = a.partial_out + pr * p.head_dim;
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        const int col = d * 8 + (lane & 3) * 2;
+        if (col < p.head_dim)
+          *reinterpret_cast<float2*>(dst + col) =
+              make_float2(w.o[i >> 1][d][2 * (i & 1)] * inv, w.o[i >> 1][d][2 * (i & 1) + 1] * inv);
+      }
+    }
+    return;
+  }
+
   // ---- normalise: sum, sink / smooth logits, 1/l ----------------------------------------------
   const bool has_sink = p.head_sink != nullptr;
   const bool smooth = p.smooth_softmax;
@@ -1178,7 +1230,8 @@ bool launch_config(Args& a, cudaStream_t stream) {
       throw std::runtime_error(std::string("gqa prefill_mma: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
     configured.fetch_or(bit, std::memory_order_relaxed);
   }
-  kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmemBytes, stream>>>(a);
+  const dim3 blocks(static_cast<unsigned>(grid), static_cast<unsigned>(a.splits));  // y: key-range splits
+  kernel<<<blocks, C::kThreads, C::kSmemBytes, stream>>>(a);
   err = cudaGetLastError();
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("gqa prefill_mma: kernel launch: ") + cudaGetErrorString(err));
@@ -1219,11 +1272,14 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
 
 void set_prefill_route(int route) { pmma::g_route.store(route, std::memory_order_relaxed); }
 
-bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
-                        void* stream) {
+bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q, float* partial_out,
+                        float* partial_lse, int splits, void* stream) {
   pmma::Args a{};
   const int dpad = pmma::prepare(p, q, q_strides, rotate_q, a);
   if (dpad == 0) return false;
+  a.splits = splits > 1 ? splits : 1;
+  a.partial_out = partial_out;
+  a.partial_lse = partial_lse;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (p.dtype == DType::kFloat16) return pmma::launch_typed<__half>(a, dpad, s);
   return pmma::launch_typed<__nv_bfloat16>(a, dpad, s);

@@ -15,8 +15,11 @@ namespace cuda {
 // Returns false, launching nothing, when this kernel does not cover the case (fp32, a head size
 // that is not a multiple of 8 or is above 256, pointers or strides not 16-byte aligned, ...):
 // the caller then uses the simple prefill kernel. Throws std::runtime_error on a launch failure.
-bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q,
-                        void* stream);
+// With splits > 1 every query block's key range is cut into `splits` parts, each CTA writes its
+// rows' normalised partial outputs and log-sum-exps ([B, S, Hq, splits, D] and [B, S, Hq,
+// splits], empty parts as -inf) instead of the output, and the caller runs the merge.
+bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q, float* partial_out,
+                        float* partial_lse, int splits, void* stream);
 
 // Which variant of the kernel prefill takes (tests and benchmarks pin one):
 //   0 auto: the Hopper wgmma variant for padded head size 128 on an sm90 device when the build
