@@ -447,7 +447,9 @@ struct WarpTile {
   }
 };
 
-template <typename T, class C>
+// kSplit: the split-K form (a.splits > 1, partials for the merge), a separate instantiation so
+// that the plain kernel keeps its registers.
+template <typename T, class C, bool kSplit>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     prefill_mma_kernel(const __grid_constant__ Args a) {
   using H = Half<T>;
@@ -481,7 +483,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     s_error = p.error_word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(p.error_word) : 0u;
   __syncthreads();
   const RowGeometry geo = row_geometry(p, p.seqlens_k[b]);
-  const bool split_k = a.splits > 1;  // then the merge writes every output row, these included
+  constexpr bool split_k = kSplit;  // then the merge writes every output row, these included
   if (s_error != 0u || geo.flags != 0u) {
     if (!split_k) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
     return;
@@ -548,7 +550,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     const int s = r / G, h = kvh * G + (r - s * G);
     return ((static_cast<int64_t>(b) * p.query_len + s) * p.q_heads + h) * a.splits + blockIdx.y;
   };
-  if (split_k) {  // this CTA takes part blockIdx.y of the query block's tiles
+  if constexpr (split_k) {  // this CTA takes part blockIdx.y of the query block's tiles
     const int per = (t_end - t_first + a.splits - 1) / a.splits;
     const int lo = t_first + static_cast<int>(blockIdx.y) * per;
     const int hi = min(t_end, lo + per);
@@ -774,7 +776,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   }
 
   // ---- split-K: this part's normalised rows and their log-sum-exps, for the merge -------------
-  if (split_k) {
+  if constexpr (split_k) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
       float l = w.l_sum[i];
@@ -931,7 +933,7 @@ inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool 
   return D <= 64 ? 64 : D <= 128 ? 128 : 256;
 }
 
-template <typename T, class C>
+template <typename T, class C, bool kSplit = false>
 bool launch_config(Args& a, cudaStream_t stream) {
   const Params& p = a.p;
   const int64_t nrows = static_cast<int64_t>(p.query_len) * p.group_size;
@@ -940,7 +942,7 @@ bool launch_config(Args& a, cudaStream_t stream) {
   if (grid <= 0 || grid > INT_MAX) return false;
   a.num_mblocks = static_cast<int32_t>(mblocks);
 
-  auto kernel = prefill_mma_kernel<T, C>;
+  auto kernel = prefill_mma_kernel<T, C, kSplit>;
   // The dynamic shared-memory opt-in is per function and device: do it once per device.
   static std::atomic<uint64_t> configured{0};
   int device = 0;
@@ -964,18 +966,23 @@ bool launch_config(Args& a, cudaStream_t stream) {
   return true;
 }
 
-template <typename T>
-bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
+template <typename T, bool kSplit>
+bool launch_default(Args& a, int dpad, cudaStream_t stream) {
   const int route = g_route.load(std::memory_order_relaxed);
   const bool wgmma_wanted = route == 2 || (route == 0 && dpad == 128);
   if (kBuiltSm90a && wgmma_wanted && (dpad == 64 || dpad == 128) && device_is_sm90())
-    return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
+    return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
   switch (dpad) {
-    case 64: return launch_config<T, Cfg64>(a, stream);
-    case 128: return launch_config<T, Cfg128>(a, stream);
-    case 256: return launch_config<T, Cfg256>(a, stream);
+    case 64: return launch_config<T, Cfg64, kSplit>(a, stream);
+    case 128: return launch_config<T, Cfg128, kSplit>(a, stream);
+    case 256: return launch_config<T, Cfg256, kSplit>(a, stream);
     default: return false;
   }
+}
+
+template <typename T>
+bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
+  return a.splits > 1 ? launch_default<T, true>(a, dpad, stream) : launch_default<T, false>(a, dpad, stream);
 }
 
 }  // namespace pmma
