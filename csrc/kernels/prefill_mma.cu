@@ -536,7 +536,9 @@ struct WarpTile {
   }
 };
 
-template <typename T, class C>
+// kSplit: the split-K form (a.splits > 1, partials for the merge), a separate instantiation so
+// that the plain kernel keeps its registers.
+template <typename T, class C, bool kSplit>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     prefill_mma_kernel(const __grid_constant__ Args a) {
   using H = Half<T>;
@@ -577,10 +579,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     }
   }
   __syncthreads();
-  const bool computes = warp < C::kWarps;  // false only for the WS loader warps
+  const bool computes = !C::kWarpSpecialized || warp < C::kWarps;  // false only for the WS loader warps
   // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
   const RowGeometry geo = row_geometry(p, p.seqlens_k[b]);
-  const bool split_k = a.splits > 1;  // then the merge writes every output row, these included
+  constexpr bool split_k = kSplit;  // then the merge writes every output row, these included
   if (s_error != 0u || geo.flags != 0u) {
     if (computes && !split_k) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
     return;
@@ -648,7 +650,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     const int s = r / G, h = kvh * G + (r - s * G);
     return ((static_cast<int64_t>(b) * p.query_len + s) * p.q_heads + h) * a.splits + blockIdx.y;
   };
-  if (split_k) {  // this CTA takes part blockIdx.y of the query block's tiles
+  if constexpr (split_k) {  // this CTA takes part blockIdx.y of the query block's tiles
     const int per = (t_end - t_first + a.splits - 1) / a.splits;
     const int lo = t_first + static_cast<int>(blockIdx.y) * per;
     const int hi = min(t_end, lo + per);
@@ -1004,7 +1006,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   }
 
   // ---- split-K: this part's normalised rows and their log-sum-exps, for the merge -------------
-  if (split_k) {
+  if constexpr (split_k) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
       float l = w.l_sum[i];
@@ -1205,7 +1207,7 @@ inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool 
   return D <= 64 ? 64 : D <= 128 ? 128 : 256;
 }
 
-template <typename T, class C>
+template <typename T, class C, bool kSplit = false>
 bool launch_config(Args& a, cudaStream_t stream) {
   const Params& p = a.p;
   const int64_t nrows = static_cast<int64_t>(p.query_len) * p.group_size;
@@ -1214,7 +1216,7 @@ bool launch_config(Args& a, cudaStream_t stream) {
   if (grid <= 0 || grid > INT_MAX) return false;
   a.num_mblocks = static_cast<int32_t>(mblocks);
 
-  auto kernel = prefill_mma_kernel<T, C>;
+  auto kernel = prefill_mma_kernel<T, C, kSplit>;
   // The dynamic shared-memory opt-in is per function and device: do it once per device.
   static std::atomic<uint64_t> configured{0};
   int device = 0;
@@ -1238,34 +1240,43 @@ bool launch_config(Args& a, cudaStream_t stream) {
   return true;
 }
 
-template <typename T>
-bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
+template <typename T, bool kSplit>
+bool launch_default(Args& a, int dpad, cudaStream_t stream) {
   const int route = g_route.load(std::memory_order_relaxed);
   const bool can_wgmma = kBuiltSm90a && (dpad == 64 || dpad == 128) && device_is_sm90();
-  if (can_wgmma && route == 3)
-    return dpad == 64 ? launch_config<T, Cfg64WP>(a, stream) : launch_config<T, Cfg128WP>(a, stream);
-  if (can_wgmma && route == 4)
-    return dpad == 64 ? launch_config<T, Cfg64W2>(a, stream) : launch_config<T, Cfg128W2>(a, stream);
-  if (can_wgmma && route == 5)
-    return dpad == 64 ? launch_config<T, Cfg64WP2>(a, stream) : launch_config<T, Cfg128WP2>(a, stream);
-  if (can_wgmma && route == 6)
-    return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream) : launch_config<T, Cfg128WS>(a, stream);
-  if (can_wgmma && route >= 7 && route <= 10) {  // pipelined warp-specialised: ping-pong, TMA
-    a.pingpong = route == 8 || route == 10 ? 1 : 0;
-    a.use_tma = route >= 9 && encode_cache_map(&a.k_map, a.p.key_cache, a.p, Cfg128WSP::kStageKeys) &&
-                        encode_cache_map(&a.v_map, a.p.value_cache, a.p, Cfg128WSP::kStageKeys)
-                    ? 1
-                    : 0;
-    return dpad == 64 ? launch_config<T, Cfg64WSP>(a, stream) : launch_config<T, Cfg128WSP>(a, stream);
+  if constexpr (!kSplit) {  // experimental routes: the split form exists for the default configs only
+    if (can_wgmma && route == 3)
+      return dpad == 64 ? launch_config<T, Cfg64WP>(a, stream) : launch_config<T, Cfg128WP>(a, stream);
+    if (can_wgmma && route == 4)
+      return dpad == 64 ? launch_config<T, Cfg64W2>(a, stream) : launch_config<T, Cfg128W2>(a, stream);
+    if (can_wgmma && route == 5)
+      return dpad == 64 ? launch_config<T, Cfg64WP2>(a, stream) : launch_config<T, Cfg128WP2>(a, stream);
+    if (can_wgmma && route == 6)
+      return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream) : launch_config<T, Cfg128WS>(a, stream);
+    if (can_wgmma && route >= 7 && route <= 10) {  // pipelined warp-specialised: ping-pong, TMA
+      a.pingpong = route == 8 || route == 10 ? 1 : 0;
+      a.use_tma = route >= 9 && encode_cache_map(&a.k_map, a.p.key_cache, a.p, Cfg128WSP::kStageKeys) &&
+                          encode_cache_map(&a.v_map, a.p.value_cache, a.p, Cfg128WSP::kStageKeys)
+                      ? 1
+                      : 0;
+      return dpad == 64 ? launch_config<T, Cfg64WSP>(a, stream) : launch_config<T, Cfg128WSP>(a, stream);
+    }
   }
-  if (can_wgmma && (route == 2 || (route == 0 && dpad == 128)))
-    return dpad == 64 ? launch_config<T, Cfg64W>(a, stream) : launch_config<T, Cfg128W>(a, stream);
+  // Split: any wgmma route takes the plain wgmma kernel.
+  const bool wgmma_wanted = (kSplit && route >= 2) || route == 2 || (route == 0 && dpad == 128);
+  if (can_wgmma && wgmma_wanted)
+    return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
   switch (dpad) {
-    case 64: return launch_config<T, Cfg64>(a, stream);
-    case 128: return launch_config<T, Cfg128>(a, stream);
-    case 256: return launch_config<T, Cfg256>(a, stream);
+    case 64: return launch_config<T, Cfg64, kSplit>(a, stream);
+    case 128: return launch_config<T, Cfg128, kSplit>(a, stream);
+    case 256: return launch_config<T, Cfg256, kSplit>(a, stream);
     default: return false;
   }
+}
+
+template <typename T>
+bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
+  return a.splits > 1 ? launch_default<T, true>(a, dpad, stream) : launch_default<T, false>(a, dpad, stream);
 }
 
 }  // namespace pmma
