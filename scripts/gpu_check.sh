@@ -5,7 +5,8 @@
 # Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|sweep|probe|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
-# GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests).
+# GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests); GQA_TEST_K a
+# pytest -k expression; GQA_TEST_ARGS more pytest arguments (split on spaces).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-$PWD/gpu_out}
@@ -35,7 +36,8 @@ for step in $steps; do
       pids=(); i=0
       for shard in "${shards[@]}"; do
         OMP_NUM_THREADS=$(( $(nproc) / ${#shards[@]} )) timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
-          -p no:cacheprovider -o faulthandler_timeout=120 --durations=10 ${GQA_TEST_ARGS:-} > "$OUT/tests$i.log" 2>&1 &
+          -p no:cacheprovider -o faulthandler_timeout=120 --durations=10 ${GQA_TEST_K:+-k "$GQA_TEST_K"} ${GQA_TEST_ARGS:-} \
+          > "$OUT/tests$i.log" 2>&1 &
         pids+=($!); i=$((i + 1))
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
