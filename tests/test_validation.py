@@ -609,7 +609,7 @@ def test_error_word_api_without_cuda():
 
 def test_tuning_switches_name_what_they_expect():
     """The private switches that tests and benchmarks use refuse bad values with a message that
-    names the switch and the accepted values, and leave the setting as it was."""
+    names the switch and the accepted values."""
     with pytest.raises(ValueError, match=r'gqa: prefill route: expected .*auto.*mma.*wgmma.*, got "nope"'):
         gqa_torch._C._set_prefill_route("nope")
     gqa_torch._C._set_prefill_route("auto")
