@@ -686,21 +686,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           if (cap) w.template tile_wg<false, true>(q_tile, k_tile, v_tile, n0s);
           else w.template tile_wg<false, false>(q_tile, k_tile, v_tile, n0s);
         }
-        if (++stage == C::kStages) stage = 0;
-        continue;
-      }
+      } else {
 #pragma unroll
-      for (int u = C::kSub - 1; u >= 0; --u) {
-        const int n0 = n0s + u * BN;
-        if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
-        const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
-        const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
-        if (needs_mask(n0)) {
-          if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
-          else w.template tile_plain<true, false>(k_st, v_st, n0);
-        } else {
-          if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
-          else w.template tile_plain<false, false>(k_st, v_st, n0);
+        for (int u = C::kSub - 1; u >= 0; --u) {
+          const int n0 = n0s + u * BN;
+          if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
+          const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
+          const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
+          if (needs_mask(n0)) {
+            if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
+            else w.template tile_plain<true, false>(k_st, v_st, n0);
+          } else {
+            if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
+            else w.template tile_plain<false, false>(k_st, v_st, n0);
+          }
         }
       }
       if (++stage == C::kStages) stage = 0;
