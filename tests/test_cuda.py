@@ -149,7 +149,7 @@ def prefill_route(request):
     that both variants stay tested at every head size."""
     if request.param.startswith("wgmma") and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma prefill needs an sm90 GPU")
-    if request.param == "wgmma" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+    if request.param.startswith("wgmma") and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the wgmma prefill needs a build for 9.0a (TORCH_CUDA_ARCH_LIST)")
     gqa_torch._C._set_prefill_route(request.param)
     yield request.param
