@@ -384,7 +384,7 @@ struct WarpTile {
     wg::fence_operands();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wg::ss_m64n64<T>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_tile, C::kStageKeys, ks), ks > 0);
+      wg::ss_m64<T, 64>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_tile, C::kStageKeys, ks), ks > 0);
     wg::commit();
     wg::wait_all();
   }
