@@ -140,7 +140,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
 
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128", "wgmma_ws", "wgmma_ws_pipe",
-                  "wgmma_ws_pingpong", "wgmma_ws_tma", "wgmma_ws_tma_pingpong"]
+                  "wgmma_ws_pingpong", "wgmma_ws_tma", "wgmma_ws_tma_pingpong", "wgmma_ws_tma_plain", "wgmma_ws_tma_n128"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)

@@ -1119,6 +1119,9 @@ using Cfg64WS = Config<64, 8, 1, 64, 3, false, 1, false, 1, true, true>;
 using Cfg128WS = Config<128, 8, 1, 64, 3, false, 1, false, 1, true, true>;
 using Cfg64WSP = Config<64, 8, 1, 64, 3, false, 1, true, 1, true, true>;
 using Cfg128WSP = Config<128, 8, 1, 64, 3, false, 1, true, 1, true, true>;
+// Warp-specialised, plain order, 128-key tiles, two stages: experimental, route 12.
+using Cfg64WS2 = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
+using Cfg128WS2 = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
@@ -1171,6 +1174,11 @@ bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int b
   return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+// Both caches' maps into `a`, in boxes of `box_keys` keys.
+bool encode_cache_maps(Args& a, int box_keys) {
+  return encode_cache_map(&a.k_map, a.p.key_cache, a.p, box_keys) &&
+         encode_cache_map(&a.v_map, a.p.value_cache, a.p, box_keys);
 }
 inline bool strides8(const TokenStrides& s) { return s.batch % 8 == 0 && s.token % 8 == 0 && s.head % 8 == 0; }
 
@@ -1251,14 +1259,17 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       return dpad == 64 ? launch_config<T, Cfg64W2>(a, stream) : launch_config<T, Cfg128W2>(a, stream);
     if (can_wgmma && route == 5)
       return dpad == 64 ? launch_config<T, Cfg64WP2>(a, stream) : launch_config<T, Cfg128WP2>(a, stream);
-    if (can_wgmma && route == 6)
+    if (can_wgmma && (route == 6 || route == 11)) {  // warp-specialised plain order; 11: TMA
+      a.use_tma = route == 11 && encode_cache_maps(a, Cfg128WS::kStageKeys) ? 1 : 0;
       return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream) : launch_config<T, Cfg128WS>(a, stream);
+    }
+    if (can_wgmma && route == 12) {  // warp-specialised plain order, 128-key tiles, TMA
+      a.use_tma = encode_cache_maps(a, Cfg128WS2::kStageKeys) ? 1 : 0;
+      return dpad == 64 ? launch_config<T, Cfg64WS2>(a, stream) : launch_config<T, Cfg128WS2>(a, stream);
+    }
     if (can_wgmma && route >= 7 && route <= 10) {  // pipelined warp-specialised: ping-pong, TMA
       a.pingpong = route == 8 || route == 10 ? 1 : 0;
-      a.use_tma = route >= 9 && encode_cache_map(&a.k_map, a.p.key_cache, a.p, Cfg128WSP::kStageKeys) &&
-                          encode_cache_map(&a.v_map, a.p.value_cache, a.p, Cfg128WSP::kStageKeys)
-                      ? 1
-                      : 0;
+      a.use_tma = route >= 9 && encode_cache_maps(a, Cfg128WSP::kStageKeys) ? 1 : 0;
       return dpad == 64 ? launch_config<T, Cfg64WSP>(a, stream) : launch_config<T, Cfg128WSP>(a, stream);
     }
   }
