@@ -139,14 +139,13 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-PREFILL_ROUTES = ["mma", "wgmma", "wgmma_pipe", "wgmma_n128", "wgmma_pipe_n128", "wgmma_ws", "wgmma_ws_pipe",
-                  "wgmma_ws_pingpong", "wgmma_ws_tma", "wgmma_ws_tma_pingpong", "wgmma_ws_tma_plain", "wgmma_ws_tma_n128"]
+PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
 def prefill_route(request):
-    """Pins the prefill kernel (the default, "auto", takes wgmma for head size 128 on sm90), so
-    that both variants stay tested at every head size."""
+    """Pins the prefill kernel (the default, "auto", takes wgmma_ws for padded head sizes 64 and
+    128 on sm90, else mma), so that every kernel stays tested at every head size."""
     if request.param.startswith("wgmma") and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma prefill needs an sm90 GPU")
     if request.param.startswith("wgmma") and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
@@ -160,7 +159,7 @@ def prefill_route(request):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
-    """Each prefill kernel (mma.sync, and the Hopper wgmma variant on sm90) on the cases of
+    """Each prefill kernel (mma.sync, and the Hopper wgmma kernels on sm90) on the cases of
     test_cuda_prefill_sizes, every feature in turn, in place (ragged chunks) and functional
     (padded first prompt)."""
     for i, feat in enumerate(FEATURE_CYCLE):
@@ -178,6 +177,7 @@ def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
 @pytest.mark.parametrize("seq", [2, 33])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("prefill_route", ["mma", "wgmma"], indirect=True)  # the kernels with a split form
 def test_cuda_prefill_split_k(seq, dtype, head_dim, prefill_route):
     """A short chunk on a long cache (speculative verification, small chunks): few query
     blocks (at most 8 CTAs here) and a capacity of 4100, so the plan splits every query block's

@@ -75,16 +75,7 @@ __device__ __forceinline__ void wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
-// Waits until at most N committed groups are still running.
-template <int N>
-__device__ __forceinline__ void wait_pending() {
-#if GQA_WGMMA_ENABLED
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
 // A barrier of this thread's warpgroup only (named barrier 1 + warpgroup; 0 is __syncthreads).
-// Besides synchronising (cheap: a warpgroup's warps meet at every wgmma anyway) it stops ptxas
-// from moving arithmetic across it, which plain program order and register pins do not.
 __device__ __forceinline__ void warpgroup_barrier() {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x >> 7)) : "memory");
 }
@@ -145,34 +136,6 @@ __device__ __forceinline__ void claim_registers() {
 #if GQA_WGMMA_ENABLED
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
-}
-// A barrier of the computing warps only (named barrier 3; 1 and 2 are the warpgroup barriers).
-__device__ __forceinline__ void consumer_barrier(int threads) {
-  asm volatile("bar.sync 3, %0;\n" ::"r"(threads) : "memory");
-}
-
-// Named barriers across the two computing warpgroups (256 threads): one waits at its own,
-// the other arrives at it without waiting. Used to take turns issuing MMAs (ping-pong).
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Ties accumulator registers to this point of the program: reads after it (and writes before
-// it) cannot be moved across it, so a wait placed before it really precedes the reads. Without
-// it the compiler may hoist arithmetic on an accumulator above the wait, and ptxas then
-// serialises the MMA (it injects a wait where the register is read).
-template <int N>
-__device__ __forceinline__ void pin_registers(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void pin_registers(uint32_t (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 // Generic-proxy writes to shared memory (st.shared, cp.async) before async-proxy reads (wgmma).
 __device__ __forceinline__ void generic_to_async_proxy() {

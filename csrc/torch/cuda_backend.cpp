@@ -24,16 +24,13 @@ std::atomic<int32_t> g_min_split_keys_override{0};
 }
 
 void set_prefill_route(const std::string& route) {
-  static const char* const kRoutes[] = {"auto",          "mma",      "wgmma",         "wgmma_pipe",
-                                        "wgmma_n128",    "wgmma_pipe_n128", "wgmma_ws", "wgmma_ws_pipe",
-                                        "wgmma_ws_pingpong", "wgmma_ws_tma", "wgmma_ws_tma_pingpong",
-                                        "wgmma_ws_tma_plain", "wgmma_ws_tma_n128"};
+  // The index is the kernel's route code (prefill_mma.cu, launch_default).
+  static const char* const kRoutes[] = {"auto", "mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync"};
   int code = -1;
-  for (int i = 0; i < 13; ++i)
+  for (int i = 0; i < 5; ++i)
     if (route == kRoutes[i]) code = i;
-  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_pipe, wgmma_n128, ",
-                    "wgmma_pipe_n128, wgmma_ws, wgmma_ws_pipe, wgmma_ws_pingpong, wgmma_ws_tma, ",
-                    "wgmma_ws_tma_pingpong, wgmma_ws_tma_plain, wgmma_ws_tma_n128, got \"", route, "\"");
+  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_ws, wgmma_ws_cpasync, got \"",
+                    route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
