@@ -115,6 +115,7 @@ struct Args {
   int32_t rotate;
   uint32_t q_sign;      // 0x80008000 when scale < 0: q is negated on load (exact), |scale| used
   int32_t num_mblocks;  // query blocks per (batch row, KV head)
+  int32_t num_work;     // query blocks in all: num_mblocks * kv_heads * batch
   int32_t softcap_on;
   float k2;             // log2-domain multiplier of the (transformed) score
   float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(y) = 1 - 2/(2^(s*tanh_k)+1)
@@ -462,31 +463,32 @@ struct WarpTile {
   }
 };
 
-// kSplit: the split-K form (a.splits > 1, partials for the merge), a separate instantiation so
-// that the plain kernel keeps its registers.
-template <typename T, class C, bool kSplit>
-__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
-    prefill_mma_kernel(const __grid_constant__ Args a) {
+// Which threads run prefill_block: all of them (no warp specialisation), or the loader or the
+// computing warpgroups of a warp-specialised CTA (each instantiation holds only its own code,
+// so that each side is compiled for its own register budget).
+enum class Role { kAll, kLoader, kCompute };
+
+// One query block (work item `work`: heaviest first) of a CTA. `ring` counts the K/V tiles this
+// CTA's stage ring has carried so far (warp-specialised kernels are persistent: the loader and
+// the computing warpgroups walk the same items, so their counts agree); `error` is the sticky
+// error word as read at kernel start.
+template <typename T, class C, bool kSplit, Role kRole>
+__device__ __forceinline__ void prefill_block(const Args& a, unsigned char* const smem, uint64_t* const s_full,
+                                              uint64_t* const s_empty, const uint32_t error, const int work,
+                                              int& ring) {
   using H = Half<T>;
   using WT = WarpTile<T, C>;
   constexpr int D = C::D, BN = C::BN, MT = C::MT, RB = C::kRowBytes, CH = C::kChunks;
   constexpr int NR = WT::NR, DT = WT::DT, KS = WT::KS;
   constexpr unsigned kFull = 0xffffffffu;
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  // wgmma's swizzle atoms must be 1024-byte aligned (kSmemBytes has the room).
-  unsigned char* const smem =
-      C::kWgmma ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
-  __shared__ uint32_t s_error;
-  __shared__ __align__(8) uint64_t s_full[C::kStages], s_empty[C::kStages];  // WS only
-
   const Params& p = a.p;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   // Heaviest query blocks first: block index -> (query block, kv head, batch row).
   const int per_block = p.kv_heads * p.batch;
-  const int wave = static_cast<int>(blockIdx.x) / per_block;
-  const int rem = static_cast<int>(blockIdx.x) - wave * per_block;
+  const int wave = work / per_block;
+  const int rem = work - wave * per_block;
   const int mblk = a.num_mblocks - 1 - wave;
   const int kvh = rem % p.kv_heads;
   const int b = rem / p.kv_heads;
@@ -495,21 +497,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const int m0 = mblk * C::BM;
   const int wrow0 = m0 + warp * C::kWarpRows;
 
-  if (tid == 0) {
-    s_error = p.error_word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(p.error_word) : 0u;
-    if constexpr (C::kWarpSpecialized) {
-      for (int s = 0; s < C::kStages; ++s) {
-        wg::mbarrier_init(smem_addr(&s_full[s]), C::kLoaderThreads);
-        wg::mbarrier_init(smem_addr(&s_empty[s]), C::kConsumerThreads);
-      }
-    }
-  }
-  __syncthreads();
-  const bool computes = !C::kWarpSpecialized || warp < C::kWarps;  // false only for the WS loader warps
+  constexpr bool computes = kRole != Role::kLoader;
   // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
   const RowGeometry geo = row_geometry(p, p.seqlens_k[b]);
   constexpr bool split_k = kSplit;  // then the merge writes every output row, these included
-  if (s_error != 0u || geo.flags != 0u) {
+  if (error != 0u || geo.flags != 0u) {
     if (computes && !split_k) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
     return;
   }
@@ -601,357 +593,403 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     return (n0 + BN - 1 > pos_min) || (n0 + BN > total) || (W > 0 && n0 <= pos_max - W);
   };
 
-  if constexpr (C::kWarpSpecialized) {
-    if (!computes) {  // the loader warpgroup: every tile of the CTA, in loop order, then done
-      wg::release_registers<C::kLoaderRegs>();
-      // A cp.async tile is announced one tile late: each loader waits for its own copies, makes
-      // them visible to the async proxy (wgmma) and only then arrives, so that the writer
-      // fences, as the memory model asks; meanwhile the next tile is already in flight.
-      int pending = -1;  // the cp.async tile not announced yet
-      auto announce_pending = [&](bool newer_group) {
-        if (pending < 0) return;
-        if (newer_group) cp_async_wait<1>();
-        else cp_async_wait<0>();
-        wg::generic_to_async_proxy();
-        wg::mbarrier_arrive(smem_addr(&s_full[pending % C::kStages]));
-        pending = -1;
-      };
-      for (int it = 0; it < n_tiles; ++it) {
-        const int stage = it % C::kStages;
-        const uint32_t full = smem_addr(&s_full[stage]);
-        if (it >= C::kStages) wg::mbarrier_wait(smem_addr(&s_empty[stage]), ((it / C::kStages) - 1) & 1);
-        const int tile = t_end - 1 - it;
-        // TMA only for tiles that lie wholly below `total`: keys past it must read as zeros (a
-        // zero weight times a stale NaN is NaN), which only cp.async's zero fill gives.
-        if (a.use_tma && (tile + 1) * C::kStageKeys <= total) {
-          if (ld_tid == 0) {
-            wg::mbarrier_arrive_expect_bytes(full, 2 * C::kTileBytes);
-            const uint32_t k_dst = k_base + stage * C::kTileBytes, v_dst = v_base + stage * C::kTileBytes;
+  if constexpr (!computes) {  // the loader warpgroup: every tile of the block, in loop order
+    // A cp.async tile is announced one tile late: each loader waits for its own copies, makes
+    // them visible to the async proxy (wgmma) and only then arrives, so that the writer
+    // fences, as the memory model asks; meanwhile the next tile is already in flight.
+    int pending = -1;  // the cp.async tile not announced yet
+    auto announce_pending = [&](bool newer_group) {
+      if (pending < 0) return;
+      if (newer_group) cp_async_wait<1>();
+      else cp_async_wait<0>();
+      wg::generic_to_async_proxy();
+      wg::mbarrier_arrive(smem_addr(&s_full[pending % C::kStages]));  // pending: a ring index
+      pending = -1;
+    };
+    for (int it = 0; it < n_tiles; ++it) {
+      const int slot = ring + it;  // this tile's place in the stage ring
+      const int stage = slot % C::kStages;
+      const uint32_t full = smem_addr(&s_full[stage]);
+      if (slot >= C::kStages) wg::mbarrier_wait(smem_addr(&s_empty[stage]), ((slot / C::kStages) - 1) & 1);
+      const int tile = t_end - 1 - it;
+      // TMA only for tiles that lie wholly below `total`: keys past it must read as zeros (a
+      // zero weight times a stale NaN is NaN), which only cp.async's zero fill gives.
+      if (a.use_tma && (tile + 1) * C::kStageKeys <= total) {
+        if (ld_tid == 0) {
+          wg::mbarrier_arrive_expect_bytes(full, 2 * C::kTileBytes);
+          const uint32_t k_dst = k_base + stage * C::kTileBytes, v_dst = v_base + stage * C::kTileBytes;
 #pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb) {  // 64-column blocks of the blocked tile
-              const uint32_t off = cb * C::kStageKeys * 128;
-              wg::tma_load_4d(k_dst + off, &a.k_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
-              wg::tma_load_4d(v_dst + off, &a.v_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
-            }
-          } else {
-            wg::mbarrier_arrive(full);
+          for (int cb = 0; cb < D / 64; ++cb) {  // 64-column blocks of the blocked tile
+            const uint32_t off = cb * C::kStageKeys * 128;
+            wg::tma_load_4d(k_dst + off, &a.k_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
+            wg::tma_load_4d(v_dst + off, &a.v_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
           }
-          announce_pending(false);
         } else {
-          load_tile(tile, stage);
-          cp_async_commit();
-          announce_pending(true);
-          pending = it;
+          wg::mbarrier_arrive(full);
         }
+        announce_pending(false);
+      } else {
+        load_tile(tile, stage);
+        cp_async_commit();
+        announce_pending(true);
+        pending = slot;
       }
-      announce_pending(false);
-      return;
     }
-    wg::claim_registers<C::kConsumerRegs>();
+    announce_pending(false);
+    ring += n_tiles;
   } else {
-    // Start streaming K/V before touching Q, so the copies overlap the Q load and RoPE.
+    if constexpr (!C::kWarpSpecialized) {
+      // Start streaming K/V before touching Q, so the copies overlap the Q load and RoPE.
 #pragma unroll
-    for (int st = 0; st < C::kStages - 1; ++st) {
-      if (st < n_tiles) load_tile(t_end - 1 - st, st);
-      cp_async_commit();
-    }
-  }
-
-  WT w;
-#pragma unroll
-  for (int i = 0; i < NR; ++i) {
-    const int r = wrow0 + (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
-    if (r < valid_rows) {
-      const int pos = geo.query_start + r / G;
-      w.row_hi[i] = min(pos + 1, total);
-      w.row_lo[i] = W > 0 ? pos - W + 1 : 0;
-    } else {  // padding / past the end: every key masked, the output row is discarded
-      w.row_lo[i] = 0;
-      w.row_hi[i] = 0;
-    }
-  }
-
-  // ---- Q: this warp's rows -> shared memory (zero for padding), RoPE, sign ------------------
-  {
-    const TokenStrides qs = a.q_strides;
-    const T* const qg = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * qs.batch;
-#pragma unroll 4
-    for (int i = lane; i < C::kWarpRows * CH; i += 32) {
-      const int row = i / CH, c = i % CH;
-      const int r = wrow0 + row;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (r < valid_rows && c * 8 < p.head_dim) {
-        const int s = r / G, h = kvh * G + (r - s * G);
-        v = __ldg(reinterpret_cast<const uint4*>(qg + static_cast<int64_t>(s) * qs.token +
-                                                 static_cast<int64_t>(h) * qs.head + c * 8));
-        v.x ^= a.q_sign;
-        v.y ^= a.q_sign;
-        v.z ^= a.q_sign;
-        v.w ^= a.q_sign;
+      for (int st = 0; st < C::kStages - 1; ++st) {
+        if (st < n_tiles) load_tile(t_end - 1 - st, st);
+        cp_async_commit();
       }
-      *reinterpret_cast<uint4*>(q_smem + q_off(row, c)) = v;
     }
-    __syncwarp();
-    if (a.rotate) {
-      const int half = p.rotary_dim / 2;
-      const bool inter = p.rotary_interleaved;
-      for (int i = lane; i < C::kWarpRows * half; i += 32) {
-        const int row = i / half, k = i - row * half;
+
+    WT w;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const int r = wrow0 + (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
+      if (r < valid_rows) {
+        const int pos = geo.query_start + r / G;
+        w.row_hi[i] = min(pos + 1, total);
+        w.row_lo[i] = W > 0 ? pos - W + 1 : 0;
+      } else {  // padding / past the end: every key masked, the output row is discarded
+        w.row_lo[i] = 0;
+        w.row_hi[i] = 0;
+      }
+    }
+
+    // ---- Q: this warp's rows -> shared memory (zero for padding), RoPE, sign ------------------
+    {
+      const TokenStrides qs = a.q_strides;
+      const T* const qg = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * qs.batch;
+      __syncwarp();  // a persistent CTA: every lane has read this warp's staging rows of the last block
+#pragma unroll 4
+      for (int i = lane; i < C::kWarpRows * CH; i += 32) {
+        const int row = i / CH, c = i % CH;
         const int r = wrow0 + row;
-        if (r >= valid_rows) continue;
-        const int s = r / G;
-        const int64_t pos = p.position_ids != nullptr
-                                ? p.position_ids[static_cast<int64_t>(b) * p.query_len + s]
-                                : static_cast<int64_t>(geo.past) + s;
-        const int d0 = inter ? 2 * k : k;
-        const int d1 = inter ? 2 * k + 1 : k + half;
-        T* const e0 = reinterpret_cast<T*>(q_smem + q_off(row, d0 >> 3) + (d0 & 7) * 2);
-        T* const e1 = reinterpret_cast<T*>(q_smem + q_off(row, d1 >> 3) + (d1 & 7) * 2);
-        const float x0 = H::to_float(*e0), x1 = H::to_float(*e1);
-        float y0, y1;
-        if (pos >= 0 && pos < p.max_positions) {
-          const int64_t ci = pos * half + k;
-          const float cs = load_rotary(p.cos_cache, p.rotary_dtype, ci);
-          const float sn = load_rotary(p.sin_cache, p.rotary_dtype, ci);
-          // Unfused products, as the CPU backend computes them.
-          y0 = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
-          y1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
-        } else {  // prep flags this; never read out of bounds
-          y0 = y1 = __int_as_float(0x7fc00000);
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < valid_rows && c * 8 < p.head_dim) {
+          const int s = r / G, h = kvh * G + (r - s * G);
+          v = __ldg(reinterpret_cast<const uint4*>(qg + static_cast<int64_t>(s) * qs.token +
+                                                   static_cast<int64_t>(h) * qs.head + c * 8));
+          v.x ^= a.q_sign;
+          v.y ^= a.q_sign;
+          v.z ^= a.q_sign;
+          v.w ^= a.q_sign;
         }
-        *e0 = H::from_float(y0);
-        *e1 = H::from_float(y1);
+        *reinterpret_cast<uint4*>(q_smem + q_off(row, c)) = v;
       }
       __syncwarp();
+      if (a.rotate) {
+        const int half = p.rotary_dim / 2;
+        const bool inter = p.rotary_interleaved;
+        for (int i = lane; i < C::kWarpRows * half; i += 32) {
+          const int row = i / half, k = i - row * half;
+          const int r = wrow0 + row;
+          if (r >= valid_rows) continue;
+          const int s = r / G;
+          const int64_t pos = p.position_ids != nullptr
+                                  ? p.position_ids[static_cast<int64_t>(b) * p.query_len + s]
+                                  : static_cast<int64_t>(geo.past) + s;
+          const int d0 = inter ? 2 * k : k;
+          const int d1 = inter ? 2 * k + 1 : k + half;
+          T* const e0 = reinterpret_cast<T*>(q_smem + q_off(row, d0 >> 3) + (d0 & 7) * 2);
+          T* const e1 = reinterpret_cast<T*>(q_smem + q_off(row, d1 >> 3) + (d1 & 7) * 2);
+          const float x0 = H::to_float(*e0), x1 = H::to_float(*e1);
+          float y0, y1;
+          if (pos >= 0 && pos < p.max_positions) {
+            const int64_t ci = pos * half + k;
+            const float cs = load_rotary(p.cos_cache, p.rotary_dtype, ci);
+            const float sn = load_rotary(p.sin_cache, p.rotary_dtype, ci);
+            // Unfused products, as the CPU backend computes them.
+            y0 = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
+            y1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+          } else {  // prep flags this; never read out of bounds
+            y0 = y1 = __int_as_float(0x7fc00000);
+          }
+          *e0 = H::from_float(y0);
+          *e1 = H::from_float(y1);
+        }
+        __syncwarp();
+      }
+      if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // Q is read by wgmma after the next barrier
     }
-    if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // Q is read by wgmma after the next barrier
-  }
 
-  // ---- per-lane ldmatrix addressing ----------------------------------------------------------
-  // A (Q, row-major) and V (trans): lanes 0-15 rows 0-15 of chunk 2k, lanes 16-31 chunk 2k+1.
-  // K (non-trans, two n-tiles): lanes 0-7 keys 0-7 chunk 2k, 8-15 keys 0-7 chunk 2k+1,
-  // 16-23 keys 8-15 chunk 2k, 24-31 keys 8-15 chunk 2k+1. Row offsets added later are
-  // multiples of 8, so the swizzle phase (row & 7) = (lane & 7) is fixed per lane.
-  w.key_col = (lane & 3) * 2;
-  w.k2 = a.k2;
-  w.tanh_k = a.tanh_k;
-  if constexpr (!C::kWgmma) {
-    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
-    const int k_row = (lane & 7) + ((lane >> 4) << 3);
-    w.a_x = static_cast<uint32_t>((lane >> 4) ^ (lane & 7));
-    w.k_x = static_cast<uint32_t>(((lane >> 3) & 1) ^ (lane & 7));
-    w.a_lane = q_base + a_row * RB;
-    w.k_lane = k_base + k_row * RB;
-    w.v_lane = v_base + a_row * RB;
-  }
-  if constexpr (C::kQRegs) {
+    // ---- per-lane ldmatrix addressing ----------------------------------------------------------
+    // A (Q, row-major) and V (trans): lanes 0-15 rows 0-15 of chunk 2k, lanes 16-31 chunk 2k+1.
+    // K (non-trans, two n-tiles): lanes 0-7 keys 0-7 chunk 2k, 8-15 keys 0-7 chunk 2k+1,
+    // 16-23 keys 8-15 chunk 2k, 24-31 keys 8-15 chunk 2k+1. Row offsets added later are
+    // multiples of 8, so the swizzle phase (row & 7) = (lane & 7) is fixed per lane.
+    w.key_col = (lane & 3) * 2;
+    w.k2 = a.k2;
+    w.tanh_k = a.tanh_k;
+    if constexpr (!C::kWgmma) {
+      const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+      const int k_row = (lane & 7) + ((lane >> 4) << 3);
+      w.a_x = static_cast<uint32_t>((lane >> 4) ^ (lane & 7));
+      w.k_x = static_cast<uint32_t>(((lane >> 3) & 1) ^ (lane & 7));
+      w.a_lane = q_base + a_row * RB;
+      w.k_lane = k_base + k_row * RB;
+      w.v_lane = v_base + a_row * RB;
+    }
+    if constexpr (C::kQRegs) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+          ldsm_x4(w.a_lane + mt * 16 * RB + (((2u * ks) ^ w.a_x) << 4), w.qf[mt][ks]);
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        ldsm_x4(w.a_lane + mt * 16 * RB + (((2u * ks) ^ w.a_x) << 4), w.qf[mt][ks]);
-  }
+      for (int d = 0; d < DT; ++d)
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+        for (int e = 0; e < 4; ++e) w.o[mt][d][e] = 0.f;
 #pragma unroll
-    for (int d = 0; d < DT; ++d)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w.o[mt][d][e] = 0.f;
-#pragma unroll
-  for (int i = 0; i < NR; ++i) {
-    w.m_ref[i] = -INFINITY;
-    w.l_sum[i] = 0.f;
-  }
-  const bool cap = a.softcap_on != 0;
-
-  if constexpr (C::kWarpSpecialized) {
-    // Each warpgroup meets once, so that its Q tile is complete before its first wgmma; from
-    // then on only the stage mbarriers order anything.
-    wg::warpgroup_barrier();
-    const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
-    // (The loader fenced its cp.async data for the async proxy before arriving; TMA writes
-    // through the async proxy itself.)
-    auto wait_full = [&](int it) { wg::mbarrier_wait(smem_addr(&s_full[it % C::kStages]), (it / C::kStages) & 1); };
-    auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&s_empty[it % C::kStages])); };
-    auto k_tile = [&](int it) { return k_base + (it % C::kStages) * C::kTileBytes; };
-    auto v_tile = [&](int it) { return v_base + (it % C::kStages) * C::kTileBytes; };
-    for (int it = 0; it < n_tiles; ++it) {
-      wait_full(it);
-      const int n0 = tile_n0(it);
-      if (needs_mask(n0)) {
-        if (cap) w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0);
-        else w.template tile_wg<true, false>(q_tile, k_tile(it), v_tile(it), n0);
-      } else {
-        if (cap) w.template tile_wg<false, true>(q_tile, k_tile(it), v_tile(it), n0);
-        else w.template tile_wg<false, false>(q_tile, k_tile(it), v_tile(it), n0);
-      }
-      release(it);
+    for (int i = 0; i < NR; ++i) {
+      w.m_ref[i] = -INFINITY;
+      w.l_sum[i] = 0.f;
     }
-  } else if constexpr (!C::kPipe) {
-    int stage = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-      cp_async_wait<C::kStages - 2>();
-      if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // the cp.async data, for wgmma
-      __syncthreads();  // tile `it` visible to all; every warp is done with the stage refilled next
-      {
-        const int nt = it + C::kStages - 1;
-        int ls = stage + C::kStages - 1;
-        if (ls >= C::kStages) ls -= C::kStages;
-        if (nt < n_tiles) load_tile(t_end - 1 - nt, ls);
-        cp_async_commit();
-      }
-      const int n0s = tile_n0(it);
-      if constexpr (C::kWgmma) {
-        const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
-        const uint32_t k_tile = k_base + stage * C::kTileBytes;
-        const uint32_t v_tile = v_base + stage * C::kTileBytes;
-        if (needs_mask(n0s)) {
-          if (cap) w.template tile_wg<true, true>(q_tile, k_tile, v_tile, n0s);
-          else w.template tile_wg<true, false>(q_tile, k_tile, v_tile, n0s);
+    const bool cap = a.softcap_on != 0;
+
+    if constexpr (C::kWarpSpecialized) {
+      // Each warpgroup meets once, so that its Q tile is complete before its first wgmma; from
+      // then on only the stage mbarriers order anything.
+      wg::warpgroup_barrier();
+      const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
+      // (The loader fenced its cp.async data for the async proxy before arriving; TMA writes
+      // through the async proxy itself.)
+      // Tile `it` of this block sits in place ring + it of the stage ring.
+      auto wait_full = [&](int it) {
+        wg::mbarrier_wait(smem_addr(&s_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
+      };
+      auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&s_empty[(ring + it) % C::kStages])); };
+      auto k_tile = [&](int it) { return k_base + ((ring + it) % C::kStages) * C::kTileBytes; };
+      auto v_tile = [&](int it) { return v_base + ((ring + it) % C::kStages) * C::kTileBytes; };
+      for (int it = 0; it < n_tiles; ++it) {
+        wait_full(it);
+        const int n0 = tile_n0(it);
+        if (needs_mask(n0)) {
+          if (cap) w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0);
+          else w.template tile_wg<true, false>(q_tile, k_tile(it), v_tile(it), n0);
         } else {
-          if (cap) w.template tile_wg<false, true>(q_tile, k_tile, v_tile, n0s);
-          else w.template tile_wg<false, false>(q_tile, k_tile, v_tile, n0s);
+          if (cap) w.template tile_wg<false, true>(q_tile, k_tile(it), v_tile(it), n0);
+          else w.template tile_wg<false, false>(q_tile, k_tile(it), v_tile(it), n0);
         }
-      } else {
-#pragma unroll
-        for (int u = C::kSub - 1; u >= 0; --u) {
-          const int n0 = n0s + u * BN;
-          if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
-          const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
-          const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
-          if (needs_mask(n0)) {
-            if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
-            else w.template tile_plain<true, false>(k_st, v_st, n0);
+        release(it);
+      }
+      ring += n_tiles;
+    } else if constexpr (!C::kPipe) {
+      int stage = 0;
+      for (int it = 0; it < n_tiles; ++it) {
+        cp_async_wait<C::kStages - 2>();
+        if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // the cp.async data, for wgmma
+        __syncthreads();  // tile `it` visible to all; every warp is done with the stage refilled next
+        {
+          const int nt = it + C::kStages - 1;
+          int ls = stage + C::kStages - 1;
+          if (ls >= C::kStages) ls -= C::kStages;
+          if (nt < n_tiles) load_tile(t_end - 1 - nt, ls);
+          cp_async_commit();
+        }
+        const int n0s = tile_n0(it);
+        if constexpr (C::kWgmma) {
+          const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
+          const uint32_t k_tile = k_base + stage * C::kTileBytes;
+          const uint32_t v_tile = v_base + stage * C::kTileBytes;
+          if (needs_mask(n0s)) {
+            if (cap) w.template tile_wg<true, true>(q_tile, k_tile, v_tile, n0s);
+            else w.template tile_wg<true, false>(q_tile, k_tile, v_tile, n0s);
           } else {
-            if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
-            else w.template tile_plain<false, false>(k_st, v_st, n0);
+            if (cap) w.template tile_wg<false, true>(q_tile, k_tile, v_tile, n0s);
+            else w.template tile_wg<false, false>(q_tile, k_tile, v_tile, n0s);
+          }
+        } else {
+#pragma unroll
+          for (int u = C::kSub - 1; u >= 0; --u) {
+            const int n0 = n0s + u * BN;
+            if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
+            const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
+            const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
+            if (needs_mask(n0)) {
+              if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
+              else w.template tile_plain<true, false>(k_st, v_st, n0);
+            } else {
+              if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
+              else w.template tile_plain<false, false>(k_st, v_st, n0);
+            }
           }
         }
+        if (++stage == C::kStages) stage = 0;
       }
-      if (++stage == C::kStages) stage = 0;
-    }
-  } else {
-    // Stages: iteration `it` reads V(it) and K(it+1) while tile it+2 streams in (>= 3 stages).
-    static_assert(!C::kPipe || C::kStages >= 3, "the pipelined order keeps three tiles in flight");
-    uint32_t pa[MT][BN / 16][4];
-    cp_async_wait<C::kStages - 2>();
-    __syncthreads();
-    {
-      const int n0 = tile_n0(0);
-      if (cap) w.template first_pipe<true>(pa, w.k_lane, n0, needs_mask(n0));
-      else w.template first_pipe<false>(pa, w.k_lane, n0, needs_mask(n0));
-    }
-    int stage = 0;  // stage of tile `it`
-    for (int it = 0; it < n_tiles; ++it) {
-      int s1 = stage + 1;
-      if (s1 == C::kStages) s1 = 0;
-      cp_async_wait<C::kStages - 3>();
-      __syncthreads();  // tile it+1 visible; every warp is done with tile it-1's stage
+    } else {
+      // Stages: iteration `it` reads V(it) and K(it+1) while tile it+2 streams in (>= 3 stages).
+      static_assert(!C::kPipe || C::kStages >= 3, "the pipelined order keeps three tiles in flight");
+      uint32_t pa[MT][BN / 16][4];
+      cp_async_wait<C::kStages - 2>();
+      __syncthreads();
       {
-        const int nt = it + C::kStages - 1;
-        int ls = stage + C::kStages - 1;
-        if (ls >= C::kStages) ls -= C::kStages;
-        if (nt < n_tiles) load_tile(t_end - 1 - nt, ls);
-        cp_async_commit();
+        const int n0 = tile_n0(0);
+        if (cap) w.template first_pipe<true>(pa, w.k_lane, n0, needs_mask(n0));
+        else w.template first_pipe<false>(pa, w.k_lane, n0, needs_mask(n0));
       }
-      const uint32_t v_cur = w.v_lane + stage * C::kTileBytes;
-      if (it + 1 < n_tiles) {
-        const int n1 = tile_n0(it + 1);
-        const uint32_t k_next = w.k_lane + s1 * C::kTileBytes;
-        if (needs_mask(n1)) {
-          if (cap) w.template tile_pipe<true, true>(pa, k_next, v_cur, n1);
-          else w.template tile_pipe<true, false>(pa, k_next, v_cur, n1);
-        } else {
-          if (cap) w.template tile_pipe<false, true>(pa, k_next, v_cur, n1);
-          else w.template tile_pipe<false, false>(pa, k_next, v_cur, n1);
+      int stage = 0;  // stage of tile `it`
+      for (int it = 0; it < n_tiles; ++it) {
+        int s1 = stage + 1;
+        if (s1 == C::kStages) s1 = 0;
+        cp_async_wait<C::kStages - 3>();
+        __syncthreads();  // tile it+1 visible; every warp is done with tile it-1's stage
+        {
+          const int nt = it + C::kStages - 1;
+          int ls = stage + C::kStages - 1;
+          if (ls >= C::kStages) ls -= C::kStages;
+          if (nt < n_tiles) load_tile(t_end - 1 - nt, ls);
+          cp_async_commit();
         }
-      } else {
-        w.pv(pa, v_cur);
+        const uint32_t v_cur = w.v_lane + stage * C::kTileBytes;
+        if (it + 1 < n_tiles) {
+          const int n1 = tile_n0(it + 1);
+          const uint32_t k_next = w.k_lane + s1 * C::kTileBytes;
+          if (needs_mask(n1)) {
+            if (cap) w.template tile_pipe<true, true>(pa, k_next, v_cur, n1);
+            else w.template tile_pipe<true, false>(pa, k_next, v_cur, n1);
+          } else {
+            if (cap) w.template tile_pipe<false, true>(pa, k_next, v_cur, n1);
+            else w.template tile_pipe<false, false>(pa, k_next, v_cur, n1);
+          }
+        } else {
+          w.pv(pa, v_cur);
+        }
+        stage = s1;
       }
-      stage = s1;
     }
-  }
 
-  // ---- split-K: this part's normalised rows and their log-sum-exps, for the merge -------------
-  if constexpr (split_k) {
+    // ---- split-K: this part's normalised rows and their log-sum-exps, for the merge -------------
+    if constexpr (split_k) {
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        float l = w.l_sum[i];
+        l += __shfl_xor_sync(kFull, l, 1);
+        l += __shfl_xor_sync(kFull, l, 2);
+        const int row = (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
+        const int r = wrow0 + row;
+        if (r >= valid_rows) continue;  // padding (the merge writes its zeros) or past the end
+        const bool seen = l > 0.f && w.m_ref[i] != -INFINITY;
+        const float inv = seen ? 1.f / l : 0.f;
+        const int64_t pr = partial_row(r);
+        if ((lane & 3) == 0) a.partial_lse[pr] = seen ? w.m_ref[i] * a.k2 + __log2f(l) : -INFINITY;
+        float* const dst = a.partial_out + pr * p.head_dim;
+#pragma unroll
+        for (int d = 0; d < DT; ++d) {
+          const int col = d * 8 + (lane & 3) * 2;
+          if (col < p.head_dim)
+            *reinterpret_cast<float2*>(dst + col) =
+                make_float2(w.o[i >> 1][d][2 * (i & 1)] * inv, w.o[i >> 1][d][2 * (i & 1) + 1] * inv);
+        }
+      }
+      return;
+    }
+
+    // ---- normalise: sum, sink / smooth logits, 1/l ----------------------------------------------
+    const bool has_sink = p.head_sink != nullptr;
+    const bool smooth = p.smooth_softmax;
+    float f[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
       float l = w.l_sum[i];
       l += __shfl_xor_sync(kFull, l, 1);
       l += __shfl_xor_sync(kFull, l, 2);
-      const int row = (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
-      const int r = wrow0 + row;
-      if (r >= valid_rows) continue;  // padding (the merge writes its zeros) or past the end
-      const bool seen = l > 0.f && w.m_ref[i] != -INFINITY;
-      const float inv = seen ? 1.f / l : 0.f;
-      const int64_t pr = partial_row(r);
-      if ((lane & 3) == 0) a.partial_lse[pr] = seen ? w.m_ref[i] * a.k2 + __log2f(l) : -INFINITY;
-      float* const dst = a.partial_out + pr * p.head_dim;
-#pragma unroll
-      for (int d = 0; d < DT; ++d) {
-        const int col = d * 8 + (lane & 3) * 2;
-        if (col < p.head_dim)
-          *reinterpret_cast<float2*>(dst + col) =
-              make_float2(w.o[i >> 1][d][2 * (i & 1)] * inv, w.o[i >> 1][d][2 * (i & 1) + 1] * inv);
+      const int r = wrow0 + (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
+      if (has_sink || smooth) {
+        const float mt2 = w.m_ref[i] * a.k2;  // -inf when the row saw no key
+        float z = -INFINITY;
+        if (has_sink && r < nrows) z = p.head_sink[kvh * G + r % G] * kLog2e;
+        float top = mt2;
+        if (has_sink) top = fmaxf(top, z);
+        if (smooth) top = fmaxf(top, 0.f);
+        const float c = mt2 == -INFINITY ? 0.f : fast_exp2(mt2 - top);
+        float den = l * c;
+        if (has_sink) den += fast_exp2(z - top);
+        if (smooth) den += fast_exp2(-top);
+        f[i] = den > 0.f ? c / den : 0.f;
+      } else {
+        f[i] = l > 0.f ? 1.f / l : 0.f;
       }
     }
-    return;
-  }
 
-  // ---- normalise: sum, sink / smooth logits, 1/l ----------------------------------------------
-  const bool has_sink = p.head_sink != nullptr;
-  const bool smooth = p.smooth_softmax;
-  float f[NR];
+    // ---- O -> this warp's staging rows (the Q rows) -> global, 16-byte stores ------------------
+    __syncwarp();
 #pragma unroll
-  for (int i = 0; i < NR; ++i) {
-    float l = w.l_sum[i];
-    l += __shfl_xor_sync(kFull, l, 1);
-    l += __shfl_xor_sync(kFull, l, 2);
-    const int r = wrow0 + (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
-    if (has_sink || smooth) {
-      const float mt2 = w.m_ref[i] * a.k2;  // -inf when the row saw no key
-      float z = -INFINITY;
-      if (has_sink && r < nrows) z = p.head_sink[kvh * G + r % G] * kLog2e;
-      float top = mt2;
-      if (has_sink) top = fmaxf(top, z);
-      if (smooth) top = fmaxf(top, 0.f);
-      const float c = mt2 == -INFINITY ? 0.f : fast_exp2(mt2 - top);
-      float den = l * c;
-      if (has_sink) den += fast_exp2(z - top);
-      if (smooth) den += fast_exp2(-top);
-      f[i] = den > 0.f ? c / den : 0.f;
-    } else {
-      f[i] = l > 0.f ? 1.f / l : 0.f;
-    }
-  }
-
-  // ---- O -> this warp's staging rows (the Q rows) -> global, 16-byte stores ------------------
-  __syncwarp();
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+      for (int d = 0; d < DT; ++d)
 #pragma unroll
-    for (int d = 0; d < DT; ++d)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = mt * 16 + (lane >> 2) + hh * 8;
-        const float fi = f[mt * 2 + hh];
-        *reinterpret_cast<uint32_t*>(q_smem + q_off(row, d) + (lane & 3) * 4) =
-            H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi);
-      }
-  __syncwarp();
-  {
-    T* const out = static_cast<T*>(p.output) + static_cast<int64_t>(b) * p.output_strides.batch;
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = mt * 16 + (lane >> 2) + hh * 8;
+          const float fi = f[mt * 2 + hh];
+          *reinterpret_cast<uint32_t*>(q_smem + q_off(row, d) + (lane & 3) * 4) =
+              H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi);
+        }
+    __syncwarp();
+    {
+      T* const out = static_cast<T*>(p.output) + static_cast<int64_t>(b) * p.output_strides.batch;
 #pragma unroll 4
-    for (int i = lane; i < C::kWarpRows * CH; i += 32) {
-      const int row = i / CH, c = i % CH;
-      const int r = wrow0 + row;
-      if (r >= nrows || c * 8 >= p.head_dim) continue;
-      const int s = r / G, h = kvh * G + (r - s * G);
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);  // first-prompt padding rows are exactly 0
-      if (r < valid_rows) v = *reinterpret_cast<const uint4*>(q_smem + q_off(row, c));
-      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(s) * p.output_strides.token +
-                                static_cast<int64_t>(h) * p.output_strides.head + c * 8) = v;
+      for (int i = lane; i < C::kWarpRows * CH; i += 32) {
+        const int row = i / CH, c = i % CH;
+        const int r = wrow0 + row;
+        if (r >= nrows || c * 8 >= p.head_dim) continue;
+        const int s = r / G, h = kvh * G + (r - s * G);
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);  // first-prompt padding rows are exactly 0
+        if (r < valid_rows) v = *reinterpret_cast<const uint4*>(q_smem + q_off(row, c));
+        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(s) * p.output_strides.token +
+                                  static_cast<int64_t>(h) * p.output_strides.head + c * 8) = v;
+      }
     }
+  }
+}
+
+// kSplit: the split-K form (a.splits > 1, partials for the merge), a separate instantiation so
+// that the plain kernel keeps its registers. Without warp specialisation a CTA takes one query
+// block (blockIdx.x); with it the CTAs are persistent: CTA c takes blocks c, c + gridDim.x, ...
+// (heaviest first), so that the loader streams the next block's K/V while the computing
+// warpgroups finish the current one, and no CTA pays a launch and its barrier set-up per block.
+template <typename T, class C, bool kSplit>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
+    prefill_mma_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // wgmma's swizzle atoms must be 1024-byte aligned (kSmemBytes has the room).
+  unsigned char* const smem =
+      C::kWgmma ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
+  __shared__ uint32_t s_error;
+  __shared__ __align__(8) uint64_t s_full[C::kStages], s_empty[C::kStages];  // WS only
+  if (threadIdx.x == 0) {
+    const uint32_t* const word = a.p.error_word;
+    s_error = word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(word) : 0u;
+    if constexpr (C::kWarpSpecialized) {
+      for (int s = 0; s < C::kStages; ++s) {
+        wg::mbarrier_init(smem_addr(&s_full[s]), C::kLoaderThreads);
+        wg::mbarrier_init(smem_addr(&s_empty[s]), C::kConsumerThreads);
+      }
+    }
+  }
+  __syncthreads();
+  const uint32_t error = s_error;
+  int ring = 0;
+  if constexpr (C::kWarpSpecialized) {
+    if (threadIdx.x >= C::kConsumerThreads) {  // the loader warpgroup
+      wg::release_registers<C::kLoaderRegs>();
+      for (int work = blockIdx.x; work < a.num_work; work += gridDim.x)
+        prefill_block<T, C, kSplit, Role::kLoader>(a, smem, s_full, s_empty, error, work, ring);
+      return;
+    }
+    wg::claim_registers<C::kConsumerRegs>();
+    for (int work = blockIdx.x; work < a.num_work; work += gridDim.x)
+      prefill_block<T, C, kSplit, Role::kCompute>(a, smem, s_full, s_empty, error, work, ring);
+  } else {
+    prefill_block<T, C, kSplit, Role::kAll>(a, smem, s_full, s_empty, error, static_cast<int>(blockIdx.x), ring);
   }
 }
 
@@ -1072,14 +1110,36 @@ inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool 
   return D <= 64 ? 64 : D <= 128 ? 128 : 256;
 }
 
+// The number of SMs of the current device (cached per device).
+int sm_count() {
+  static std::atomic<int> known[64];  // 0: not asked
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int v = known[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) v = 0;
+    known[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// persistent: one CTA per SM walks the query blocks (warp-specialised configs, which fit one
+// CTA per SM); otherwise one CTA per query block.
 template <typename T, class C, bool kSplit = false>
-bool launch_config(Args& a, cudaStream_t stream) {
+bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
+  static_assert(!kSplit || !C::kWarpSpecialized, "the split form takes one CTA per (block, part)");
   const Params& p = a.p;
   const int64_t nrows = static_cast<int64_t>(p.query_len) * p.group_size;
   const int64_t mblocks = (nrows + C::BM - 1) / C::BM;
   const int64_t grid = mblocks * p.kv_heads * p.batch;
   if (grid <= 0 || grid > INT_MAX) return false;
   a.num_mblocks = static_cast<int32_t>(mblocks);
+  a.num_work = static_cast<int32_t>(grid);
+  int64_t ctas = grid;
+  if (persistent && C::kWarpSpecialized) {
+    const int sms = sm_count();
+    if (sms > 0 && ctas > sms) ctas = sms;
+  }
 
   auto kernel = prefill_mma_kernel<T, C, kSplit>;
   // The dynamic shared-memory opt-in is per function and device: do it once per device.
@@ -1097,7 +1157,7 @@ bool launch_config(Args& a, cudaStream_t stream) {
       throw std::runtime_error(std::string("gqa prefill_mma: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
     configured.fetch_or(bit, std::memory_order_relaxed);
   }
-  const dim3 blocks(static_cast<unsigned>(grid), static_cast<unsigned>(a.splits));  // y: key-range splits
+  const dim3 blocks(static_cast<unsigned>(ctas), static_cast<unsigned>(a.splits));  // y: key-range splits
   kernel<<<blocks, C::kThreads, C::kSmemBytes, stream>>>(a);
   err = cudaGetLastError();
   if (err != cudaSuccess)
@@ -1106,7 +1166,8 @@ bool launch_config(Args& a, cudaStream_t stream) {
 }
 
 // Routes (set_prefill_route): 0 auto, 1 mma.sync, 2 plain wgmma, 3 warp-specialised wgmma
-// (TMA), 4 the same with cp.async in the loader (the fallback when the driver has no TMA encoder).
+// (TMA, persistent), 4 the same with cp.async in the loader (the fallback when the driver has no
+// TMA encoder), 5 the same as 3 with one CTA per query block.
 template <typename T, bool kSplit>
 bool launch_default(Args& a, int dpad, cudaStream_t stream) {
   const int route = g_route.load(std::memory_order_relaxed);
@@ -1118,7 +1179,9 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
     if constexpr (!kSplit) {
       a.use_tma = route != 4 && encode_cache_maps(a, Cfg128WS::kStageKeys) ? 1 : 0;
-      return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream) : launch_config<T, Cfg128WS>(a, stream);
+      const bool persistent = route != 5;
+      return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream, persistent)
+                        : launch_config<T, Cfg128WS>(a, stream, persistent);
     }
   }
   switch (dpad) {
