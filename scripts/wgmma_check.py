@@ -62,7 +62,7 @@ def main() -> int:
                 k = torch.randn(1, s, d, device="cuda", dtype=dtype)
                 v = torch.randn(1, s, d, device="cuda", dtype=dtype)
                 ref = run(q, k, v, s + 8, "mma").float()
-                for route in ("wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_grid"):
+                for route in ("wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent"):
                     out = run(q, k, v, s + 8, route).float()
                     diff = (out - ref).abs()
                     rel = (diff.max() / ref.abs().max()).item()

@@ -139,7 +139,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_grid"]
+PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
@@ -170,6 +170,26 @@ def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
         _run_cuda_and_cpu(case)
         case = make_case("functional", batch=2, seq=seq, num_heads=4, kv_num_heads=1, head_dim=head_dim,
                          capacity=None, first_prompt=True, prompt_lengths=[seq, max(1, seq // 3)], layout=i % 2,
+                         dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
+    """More query blocks than SMs several times over (3 rows x 2 KV heads x 94 blocks of 128
+    packed rows = 564 on 132 SMs): a persistent CTA walks four or five blocks, in both
+    directions of its snake order; in place with ragged pasts, and as a padded first prompt
+    (the padding blocks exit early, between blocks with work); every third feature. The other
+    kernels see the same large grid."""
+    for i, feat in enumerate(FEATURE_CYCLE):
+        if i % 3:
+            continue
+        case = make_case("inplace", batch=3, seq=1500, num_heads=16, kv_num_heads=2, head_dim=head_dim,
+                         capacity=1600, layout=i % 2, dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
+        case = make_case("functional", batch=3, seq=1500, num_heads=16, kv_num_heads=2, head_dim=head_dim,
+                         capacity=None, first_prompt=True, prompt_lengths=[1500, 400, 1100], layout=1 - i % 2,
                          dtype=DTYPES[dtype], **feat)
         _run_cuda_and_cpu(case)
 

@@ -116,6 +116,7 @@ struct Args {
   uint32_t q_sign;      // 0x80008000 when scale < 0: q is negated on load (exact), |scale| used
   int32_t num_mblocks;  // query blocks per (batch row, KV head)
   int32_t num_work;     // query blocks in all: num_mblocks * kv_heads * batch
+  int32_t persistent;   // warp-specialised only: gridDim.x CTAs walk all blocks (else one each)
   int32_t softcap_on;
   float k2;             // log2-domain multiplier of the (transformed) score
   float tanh_k;         // softcap: 2*log2e*|scale|/softcap, so tanh(y) = 1 - 2/(2^(s*tanh_k)+1)
@@ -469,9 +470,9 @@ struct WarpTile {
 enum class Role { kAll, kLoader, kCompute };
 
 // One query block (work item `work`: heaviest first) of a CTA. `ring` counts the K/V tiles this
-// CTA's stage ring has carried so far (warp-specialised kernels are persistent: the loader and
-// the computing warpgroups walk the same items, so their counts agree); `error` is the sticky
-// error word as read at kernel start.
+// CTA's stage ring has carried so far (a persistent warp-specialised CTA: the loader and the
+// computing warpgroups walk the same items, so their counts agree); `error` is the sticky error
+// word as read at kernel start.
 template <typename T, class C, bool kSplit, Role kRole>
 __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* const smem, uint64_t* const s_full,
                                               uint64_t* const s_empty, const uint32_t error, const int work,
@@ -665,7 +666,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     {
       const TokenStrides qs = a.q_strides;
       const T* const qg = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * qs.batch;
-      __syncwarp();  // a persistent CTA: every lane has read this warp's staging rows of the last block
+      __syncwarp();  // a persistent CTA: every lane has read this warp's staging rows of its last block
 #pragma unroll 4
       for (int i = lane; i < C::kWarpRows * CH; i += 32) {
         const int row = i / CH, c = i % CH;
@@ -952,10 +953,12 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 }
 
 // kSplit: the split-K form (a.splits > 1, partials for the merge), a separate instantiation so
-// that the plain kernel keeps its registers. Without warp specialisation a CTA takes one query
-// block (blockIdx.x); with it the CTAs are persistent: CTA c takes blocks c, c + gridDim.x, ...
-// (heaviest first), so that the loader streams the next block's K/V while the computing
-// warpgroups finish the current one, and no CTA pays a launch and its barrier set-up per block.
+// that the plain kernel keeps its registers. A CTA takes one query block (blockIdx.x), or with
+// warp specialisation and a.persistent, one per round: round r of CTA c is block r * gridDim.x
+// + c, or gridDim.x - 1 - c in odd rounds (the blocks come heaviest first, and the snake keeps
+// CTA 0 from taking the heaviest block of every round), so that the loader streams the next
+// block's K/V while the computing warpgroups finish the current one and no CTA pays a launch and
+// its barrier set-up per block.
 template <typename T, class C, bool kSplit>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     prefill_mma_kernel(const __grid_constant__ Args a) {
@@ -979,14 +982,19 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const uint32_t error = s_error;
   int ring = 0;
   if constexpr (C::kWarpSpecialized) {
+    const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
+    auto block_of_round = [&](int r) {
+      if (!a.persistent) return r == 0 ? c : INT_MAX;
+      return r * g + (r & 1 ? g - 1 - c : c);
+    };
     if (threadIdx.x >= C::kConsumerThreads) {  // the loader warpgroup
       wg::release_registers<C::kLoaderRegs>();
-      for (int work = blockIdx.x; work < a.num_work; work += gridDim.x)
+      for (int r = 0, work = block_of_round(0); work < a.num_work; work = block_of_round(++r))
         prefill_block<T, C, kSplit, Role::kLoader>(a, smem, s_full, s_empty, error, work, ring);
       return;
     }
     wg::claim_registers<C::kConsumerRegs>();
-    for (int work = blockIdx.x; work < a.num_work; work += gridDim.x)
+    for (int r = 0, work = block_of_round(0); work < a.num_work; work = block_of_round(++r))
       prefill_block<T, C, kSplit, Role::kCompute>(a, smem, s_full, s_empty, error, work, ring);
   } else {
     prefill_block<T, C, kSplit, Role::kAll>(a, smem, s_full, s_empty, error, static_cast<int>(blockIdx.x), ring);
@@ -1124,7 +1132,7 @@ int sm_count() {
 }
 
 // persistent: one CTA per SM walks the query blocks (warp-specialised configs, which fit one
-// CTA per SM); otherwise one CTA per query block.
+// CTA per SM); otherwise one CTA per query block (then the hardware balances the causal load).
 template <typename T, class C, bool kSplit = false>
 bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
   static_assert(!kSplit || !C::kWarpSpecialized, "the split form takes one CTA per (block, part)");
@@ -1136,9 +1144,11 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
   a.num_mblocks = static_cast<int32_t>(mblocks);
   a.num_work = static_cast<int32_t>(grid);
   int64_t ctas = grid;
+  a.persistent = 0;
   if (persistent && C::kWarpSpecialized) {
     const int sms = sm_count();
     if (sms > 0 && ctas > sms) ctas = sms;
+    a.persistent = 1;
   }
 
   auto kernel = prefill_mma_kernel<T, C, kSplit>;
@@ -1166,8 +1176,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 }
 
 // Routes (set_prefill_route): 0 auto, 1 mma.sync, 2 plain wgmma, 3 warp-specialised wgmma
-// (TMA, persistent), 4 the same with cp.async in the loader (the fallback when the driver has no
-// TMA encoder), 5 the same as 3 with one CTA per query block.
+// (TMA), 4 the same with cp.async in the loader (the fallback when the driver has no TMA
+// encoder), 5 the same as 3 with persistent CTAs.
 template <typename T, bool kSplit>
 bool launch_default(Args& a, int dpad, cudaStream_t stream) {
   const int route = g_route.load(std::memory_order_relaxed);
@@ -1179,7 +1189,7 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
     if constexpr (!kSplit) {
       a.use_tma = route != 4 && encode_cache_maps(a, Cfg128WS::kStageKeys) ? 1 : 0;
-      const bool persistent = route != 5;
+      const bool persistent = route == 5;
       return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream, persistent)
                         : launch_config<T, Cfg128WS>(a, stream, persistent);
     }
