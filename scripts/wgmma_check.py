@@ -2,11 +2,11 @@
 """Diagnoses the wgmma prefill routes (device only) against the mma.sync kernel.
 
 For a few plain causal prefills (bf16 and fp16, D = 64 and 128), runs the in-place op with each
-wgmma route (plain and pipelined) and with the mma.sync kernel on the same inputs and prints the
-largest difference,
-then, when they differ, where: the error averaged per block of 8 output columns and per 8 query
-rows of a 64-row warpgroup tile. A wrong descriptor or fragment layout shows up as a pattern
-(whole column blocks, every other 8 rows, one warpgroup), not as noise.
+wgmma route (plain, warp-specialised with TMA or cp.async, persistent) and with the mma.sync
+kernel on the same inputs and prints the largest difference, then, when they differ, where:
+the error averaged per block of 8 output columns and per 8 query rows of a 64-row warpgroup
+tile. A wrong descriptor or fragment layout shows up as a pattern (whole column blocks, every
+other 8 rows, one warpgroup), not as noise.
 
     python3 scripts/wgmma_check.py
 """

@@ -21,6 +21,9 @@
 // - Optional (Config::kPipe, not used by the shipped configs: no gain measured on an H200):
 //   S of tile t+1 is issued before P V of tile t so the softmax overlaps the MMAs.
 // - CTAs are ordered heaviest query block first (causal work grows with the block index).
+// - On sm90 (an sm90a build) head sizes up to 128 run the same body with wgmma (S and P V as
+//   warpgroup MMAs on shared-memory tiles), warp-specialised (Config::kWarpSpecialized: a
+//   loader warpgroup fills the stages by TMA) and persistent; see Config and launch_default.
 //
 // Semantics are SPEC §3 per batch row: ragged total / query_start per row (batched chunked
 // prefill and first-prompt padding in one launch), softcap, local window, head sink, smooth
@@ -528,7 +531,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const uint32_t k_base = smem_addr(smem + C::kQBytes);
   const uint32_t v_base = k_base + C::kStages * C::kTileBytes;
 
-  // ---- K/V tile loader (all threads): thread copies chunk ld_c of rows ld_r + k*LD_STEP ------
+  // ---- K/V tile loader (all threads, or the WS loader warpgroup): chunk ld_c of rows ld_r + k*LD_STEP
   constexpr int LD_STEP = C::kLoaderThreads / CH;
   constexpr int LD_N = C::kStageKeys * CH / C::kLoaderThreads;
   const int ld_tid = C::kWarpSpecialized ? tid - C::kConsumerThreads : tid;

@@ -32,8 +32,7 @@ void set_prefill_route(const std::string& route) {
     if (route == kRoutes[i]) code = i;
   TORCH_CHECK_VALUE(code >= 0,
                     "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_ws, wgmma_ws_cpasync, ",
-                    "wgmma_ws_persistent, got \"",
-                    route, "\"");
+                    "wgmma_ws_persistent, got \"", route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
