@@ -56,7 +56,7 @@ def main() -> int:
     torch.manual_seed(0)
     worst = 0.0
     for dtype in (torch.bfloat16, torch.float16):
-        for d in (64, 128):
+        for d in (64, 128, 256):
             for s, g in ((64, 2), (130, 1), (300, 4)):
                 q = torch.randn(1, s, g * d, device="cuda", dtype=dtype)
                 k = torch.randn(1, s, d, device="cuda", dtype=dtype)

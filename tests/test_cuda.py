@@ -157,7 +157,7 @@ def prefill_route(request):
 
 @pytest.mark.parametrize("seq", [2, 7, 64, 513, 1100])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 256])
 def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
     """Each prefill kernel (mma.sync, and the Hopper wgmma kernels on sm90) on the cases of
     test_cuda_prefill_sizes, every feature in turn, in place (ragged chunks) and functional

@@ -106,8 +106,8 @@ struct Config {
   static_assert(!PIPE_ || (SUB_ == 1 && !WGMMA_), "the pipelined order: mma.sync, whole stages");
   static_assert(kStages >= 2, "at least double buffering");
   static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
-                            (D_ == 64 || D_ == 128)),
-                "wgmma: warpgroups of 64 rows, 64- or 128-key tiles, D = 64 or 128");
+                            (D_ == 64 || D_ == 128 || D_ == 256)),
+                "wgmma: warpgroups of 64 rows, 64- or 128-key tiles, D = 64, 128 or 256");
 };
 
 // Everything the kernel reads, passed by value as one __grid_constant__ parameter.
@@ -412,11 +412,17 @@ struct WarpTile {
     wg::wait_all();
   }
 
+  // D = 256 runs as two n128 halves: columns 128h.. of O are accumulator floats 64h.. (the wgmma
+  // accumulator holds 8-column groups in order) and V's 64-column blocks 2h, 2h + 1.
   __device__ __forceinline__ void pv_wg(const uint32_t (&pa)[MT][BN / 16][4], uint32_t v_tile) {
-    float (&acc)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
+    constexpr int N = D < 128 ? D : 128;
+    float (&acc)[D / N][N / 2] = reinterpret_cast<float (&)[D / N][N / 2]>(o);
     wg::fence_operands();
 #pragma unroll
-    for (int j = 0; j < BN / 16; ++j) wg::rs_m64<T, D>(acc, pa[0][j], wg::mn_major(v_tile, C::kStageKeys, j), 1);
+    for (int h = 0; h < D / N; ++h)
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j)
+        wg::rs_m64<T, N>(acc[h], pa[0][j], wg::mn_major(v_tile + h * N * C::kStageKeys * 2, C::kStageKeys, j), 1);
     wg::commit();
     wg::wait_all();
   }
@@ -1029,6 +1035,9 @@ using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 // warpgroups, and cp.async instead of TMA in the loader (-25%); see csrc/kernels/NOTES.md.
 using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
+// D = 256: O alone is 128 registers a thread, so 64-key tiles (S 32 more) and two stages
+// (193 KB of shared memory). Experimental until measured: wip/d256-wgmma.
+using Cfg256WS = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
@@ -1183,20 +1192,26 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // (TMA) with one CTA per query block, 4 the same with cp.async in the loader (the fallback when
 // the driver has no TMA encoder), 5 warp-specialised with persistent CTAs (auto's choice: at
 // least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024).
+// The warp-specialised configs: TMA maps in boxes of the config's stage keys.
+template <typename T, class C>
+bool launch_ws(Args& a, cudaStream_t stream, int route) {
+  a.use_tma = route != 4 && encode_cache_maps(a, C::kStageKeys) ? 1 : 0;
+  return launch_config<T, C>(a, stream, route == 0 || route == 5);
+}
+
 template <typename T, bool kSplit>
 bool launch_default(Args& a, int dpad, cudaStream_t stream) {
   const int route = g_route.load(std::memory_order_relaxed);
-  const bool can_wgmma = kBuiltSm90a && (dpad == 64 || dpad == 128) && device_is_sm90();
-  if (can_wgmma && route != 1) {
-    // The split form exists for the plain wgmma kernel only (a short chunk: no long loop for
-    // warp specialisation to pay off).
-    if (kSplit || route == 2)
-      return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
-    if constexpr (!kSplit) {
-      a.use_tma = route != 4 && encode_cache_maps(a, Cfg128WS::kStageKeys) ? 1 : 0;
-      const bool persistent = route == 0 || route == 5;
-      return dpad == 64 ? launch_config<T, Cfg64WS>(a, stream, persistent)
-                        : launch_config<T, Cfg128WS>(a, stream, persistent);
+  const bool sm90 = kBuiltSm90a && route != 1 && device_is_sm90();
+  // The split form exists for the plain wgmma kernel only (a short chunk: no long loop for warp
+  // specialisation to pay off); D = 256 has no plain wgmma form (it takes mma.sync there).
+  if (sm90 && (dpad == 64 || dpad == 128) && (kSplit || route == 2))
+    return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
+  if constexpr (!kSplit) {
+    if (sm90 && route != 2) {
+      if (dpad == 64) return launch_ws<T, Cfg64WS>(a, stream, route);
+      if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
+      if (dpad == 256 && route != 0) return launch_ws<T, Cfg256WS>(a, stream, route);  // not the default yet
     }
   }
   switch (dpad) {

@@ -2,7 +2,8 @@
 // descriptors for 128-byte-swizzled tiles, the async-proxy fences, and the three shapes the
 // prefill uses: S[64 x 64] = Q K^T (both operands in shared memory, K-major), and
 // O[64 x D] += P V (P from registers in the mma.sync A-fragment layout, V in shared memory
-// stored [keys][D], i.e. MN-major, transposed on the fly), D = 64 or 128.
+// stored [keys][D], i.e. MN-major, transposed on the fly), N = 64 or 128 (D = 256 is two
+// n128 products).
 //
 // Tile layout (see blocked_offset): a tile of R rows and D columns is D/64 column blocks of
 // [R][64] elements, 128 bytes per row, 16-byte chunk c of row r stored at chunk c ^ (r % 8);
