@@ -1048,19 +1048,23 @@ constexpr bool kBuiltSm90a = true;
 constexpr bool kBuiltSm90a = false;
 #endif
 
-// Whether the current device is an sm90 part (the wgmma configs are built for sm90a only).
-bool device_is_sm90() {
-  static std::atomic<int> known[64];  // 0: not asked, 1: yes, 2: no
+// An attribute of the current device, asked once per device (0 when it cannot be asked; no
+// attribute used here is 0 on a real device, so 0 also marks "not asked yet").
+template <cudaDeviceAttr kAttribute>
+int device_attribute() {
+  static std::atomic<int> known[64];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
   int v = known[dev].load(std::memory_order_relaxed);
   if (v == 0) {
-    int major = 0;
-    v = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major == 9 ? 1 : 2;
+    if (cudaDeviceGetAttribute(&v, kAttribute, dev) != cudaSuccess) v = 0;
     known[dev].store(v, std::memory_order_relaxed);
   }
-  return v == 1;
+  return v;
 }
+
+// Whether the current device is an sm90 part (the wgmma configs are built for sm90a only).
+bool device_is_sm90() { return device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9; }
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
@@ -1131,19 +1135,6 @@ inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool 
   return D <= 64 ? 64 : D <= 128 ? 128 : 256;
 }
 
-// The number of SMs of the current device (cached per device).
-int sm_count() {
-  static std::atomic<int> known[64];  // 0: not asked
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  int v = known[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) v = 0;
-    known[dev].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
 // persistent: one CTA per SM walks the query blocks (warp-specialised configs, which fit one
 // CTA per SM); otherwise one CTA per query block (then the hardware balances the causal load).
 template <typename T, class C, bool kSplit = false>
@@ -1159,7 +1150,7 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
   int64_t ctas = grid;
   a.persistent = 0;
   if (persistent && C::kWarpSpecialized) {
-    const int sms = sm_count();
+    const int sms = device_attribute<cudaDevAttrMultiProcessorCount>();
     if (sms > 0 && ctas > sms) ctas = sms;
     a.persistent = 1;
   }
