@@ -94,11 +94,14 @@ struct Config {
   static constexpr int BM = kWarpRows * WARPS_;
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr int kRowBytes = D * 2;
-  static constexpr int kQBytes = BM * kRowBytes;
+  static constexpr int kQBytes = BM * kRowBytes;              // one Q tile (the block's rows)
   static constexpr int kTileBytes = kStageKeys * kRowBytes;  // one stage of K (or V)
   static constexpr bool kWgmma = WGMMA_;
+  // WS: the loader stages the next block's Q while the computing warpgroups finish the current
+  // one, into a second Q tile where two fit next to the stages (D <= 128); else one.
+  static constexpr int kQBuffers = WS_ && 2 * kQBytes + 2 * kStages * kTileBytes + 1024 <= 227 * 1024 ? 2 : 1;
   // wgmma tiles need 1024-byte-aligned swizzle atoms: room to align the dynamic base.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + (WGMMA_ ? 1024 : 0);
+  static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kTileBytes + (WGMMA_ ? 1024 : 0);
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
   static_assert(BN % 16 == 0, "BN must be a multiple of 16");
   static_assert((kStageKeys * kChunks) % kLoaderThreads == 0, "every loader copies the same number of chunks");
@@ -227,6 +230,29 @@ __device__ __forceinline__ void fill_warp_rows(const Params& p, int b, int kvh, 
 // ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
+
+// Query block `work` -> (query block, kv head, batch row), heaviest query blocks first.
+struct BlockCoords {
+  int mblk, kvh, b;
+};
+__device__ __forceinline__ BlockCoords block_coords(const Args& a, int work) {
+  const int per_block = a.p.kv_heads * a.p.batch;
+  const int wave = work / per_block;
+  const int rem = work - wave * per_block;
+  return {a.num_mblocks - 1 - wave, rem % a.p.kv_heads, rem / a.p.kv_heads};
+}
+
+// The warp-specialised CTA's mbarriers: K/V stages (full: landed; empty: every computing thread
+// is done with it) and Q tiles (the same, per Q buffer), and each role's count of the stages
+// and Q tiles it has passed (a persistent CTA carries them from block to block).
+struct Pipeline {
+  uint64_t* s_full;
+  uint64_t* s_empty;
+  uint64_t* q_full;
+  uint64_t* q_empty;
+  int ring = 0;    // K/V tiles so far
+  int q_ring = 0;  // Q tiles so far
+};
 
 // Per-warp register state and the three steps of one K/V tile: S = Q K^T, softmax -> P,
 // O += P V. Rows: thread holds rows i = 2*mt + half, virtual row wrow0 + 16*mt + lane/4 + 8*half.
@@ -478,14 +504,14 @@ struct WarpTile {
 // so that each side is compiled for its own register budget).
 enum class Role { kAll, kLoader, kCompute };
 
-// One query block (work item `work`: heaviest first) of a CTA. `ring` counts the K/V tiles this
-// CTA's stage ring has carried so far (a persistent warp-specialised CTA: the loader and the
-// computing warpgroups walk the same items, so their counts agree); `error` is the sticky error
-// word as read at kernel start.
+// One query block (work item `work`: heaviest first) of a CTA. `pipe` holds the warp-specialised
+// CTA's mbarriers and its counts of the K/V tiles and Q tiles passed so far (a persistent CTA:
+// the loader and the computing warpgroups walk the same items and skip the same ones, so their
+// counts agree); `error` is the sticky error word as read at kernel start; `seqlen` is
+// seqlens_k of the block's batch row (the caller loads it a block ahead).
 template <typename T, class C, bool kSplit, Role kRole>
-__device__ __forceinline__ void prefill_block(const Args& a, unsigned char* const smem, uint64_t* const s_full,
-                                              uint64_t* const s_empty, const uint32_t error, const int work,
-                                              int& ring) {
+__device__ __forceinline__ void prefill_block(const Args& a, unsigned char* const smem, Pipeline& pipe,
+                                              const uint32_t error, const int work, const int seqlen) {
   using H = Half<T>;
   using WT = WarpTile<T, C>;
   constexpr int D = C::D, BN = C::BN, MT = C::MT, RB = C::kRowBytes, CH = C::kChunks;
@@ -495,21 +521,16 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const Params& p = a.p;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  // Heaviest query blocks first: block index -> (query block, kv head, batch row).
-  const int per_block = p.kv_heads * p.batch;
-  const int wave = work / per_block;
-  const int rem = work - wave * per_block;
-  const int mblk = a.num_mblocks - 1 - wave;
-  const int kvh = rem % p.kv_heads;
-  const int b = rem / p.kv_heads;
+  const BlockCoords bc = block_coords(a, work);
+  const int kvh = bc.kvh, b = bc.b;
   const int G = p.group_size;
   const int nrows = p.query_len * G;
-  const int m0 = mblk * C::BM;
+  const int m0 = bc.mblk * C::BM;
   const int wrow0 = m0 + warp * C::kWarpRows;
 
   constexpr bool computes = kRole != Role::kLoader;
   // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
-  const RowGeometry geo = row_geometry(p, p.seqlens_k[b]);
+  const RowGeometry geo = row_geometry(p, seqlen);
   constexpr bool split_k = kSplit;  // then the merge writes every output row, these included
   if (error != 0u || geo.flags != 0u) {
     if (computes && !split_k) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, H::kNaN2, lane);
@@ -521,20 +542,26 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     return;
   }
 
-  // This warp's Q rows (later its output staging): its own slice, or with wgmma rows
-  // 16 * (warp % 4) of its warpgroup's blocked 64-row tile.
-  unsigned char* const q_smem = C::kWgmma ? smem + (warp >> 2) * 64 * RB : smem + warp * C::kWarpRows * RB;
-  const int q_row0 = C::kWgmma ? (warp & 3) * 16 : 0;
-  auto q_off = [&](int row, int chunk) -> uint32_t {
-    if constexpr (C::kWgmma) return wg::blocked_offset(q_row0 + row, chunk, 64);
+  // This block's Q tile: Q buffer q_slot % kQBuffers (Q slots are counted like the K/V ring).
+  const int q_slot = pipe.q_ring++;
+  const int q_buffer = q_slot % C::kQBuffers;
+  unsigned char* const q_block = smem + q_buffer * C::kQBytes;
+  // Byte offset of chunk `chunk` of row `row` (of the block) in the Q tile: row-swizzled rows,
+  // or with wgmma a blocked 64-row tile per warpgroup.
+  auto q_block_off = [&](int row, int chunk) -> uint32_t {
+    if constexpr (C::kWgmma) return (row >> 6) * 64 * RB + wg::blocked_offset(row & 63, chunk, 64);
     else return swz<D>(row, chunk);
   };
+  // This warp's rows of it (later its output staging).
+  const int warp_row0 = warp * C::kWarpRows;
+  unsigned char* const q_smem = q_block;
+  auto q_off = [&](int row, int chunk) { return q_block_off(warp_row0 + row, chunk); };
   auto tile_off = [&](int row, int chunk) -> uint32_t {
     if constexpr (C::kWgmma) return wg::blocked_offset(row, chunk, C::kStageKeys);
     else return swz<D>(row, chunk);
   };
-  const uint32_t q_base = smem_addr(q_smem);
-  const uint32_t k_base = smem_addr(smem + C::kQBytes);
+  const uint32_t q_base = smem_addr(q_block) + warp_row0 * RB;  // mma.sync: this warp's rows
+  const uint32_t k_base = smem_addr(smem + C::kQBuffers * C::kQBytes);
   const uint32_t v_base = k_base + C::kStages * C::kTileBytes;
 
   // ---- K/V tile loader (all threads, or the WS loader warpgroup): chunk ld_c of rows ld_r + k*LD_STEP
@@ -603,7 +630,95 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     return (n0 + BN - 1 > pos_min) || (n0 + BN > total) || (W > 0 && n0 <= pos_max - W);
   };
 
-  if constexpr (!computes) {  // the loader warpgroup: every tile of the block, in loop order
+  // ---- Q staging: rows [row0, row0 + rows) of the block into its Q tile, by `nthreads`
+  // threads (t = 0 .. nthreads - 1, nthreads a multiple of the chunks per row). issue_q starts
+  // cp.async copies (zero fill for padding rows and columns past head_dim) as one group; once
+  // the caller has waited for that group and met the other threads (sync), transform_q flips
+  // the sign (scale < 0: exact) and applies RoPE in place, meeting again after each pass.
+  auto issue_q = [&](int row0, int rows, int t, int nthreads) {
+    const TokenStrides qs = a.q_strides;
+    const T* const qg = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * qs.batch;
+    const uint32_t dst = smem_addr(q_block);
+    const int c = t % CH;
+    const bool col_ok = c * 8 < p.head_dim;
+    for (int row = row0 + t / CH; row < row0 + rows; row += nthreads / CH) {
+      const int r = m0 + row;
+      const bool ok = col_ok && r < valid_rows;
+      const T* src = qg;
+      if (ok) {
+        const int tok = r / G, h = kvh * G + (r - tok * G);
+        src = qg + static_cast<int64_t>(tok) * qs.token + static_cast<int64_t>(h) * qs.head + c * 8;
+      }
+      cp_async16(dst + q_block_off(row, c), src, ok ? 16u : 0u);
+    }
+    cp_async_commit();
+  };
+  auto transform_q = [&](int row0, int rows, int t, int nthreads, auto sync) {
+    if (a.q_sign != 0u) {
+      const int c = t % CH;
+      for (int row = row0 + t / CH; row < row0 + rows; row += nthreads / CH) {
+        if (m0 + row >= valid_rows || c * 8 >= p.head_dim) continue;
+        uint4* const e = reinterpret_cast<uint4*>(q_block + q_block_off(row, c));
+        uint4 v = *e;
+        v.x ^= a.q_sign;
+        v.y ^= a.q_sign;
+        v.z ^= a.q_sign;
+        v.w ^= a.q_sign;
+        *e = v;
+      }
+      sync();
+    }
+    if (a.rotate) {
+      const int half = p.rotary_dim / 2;
+      const bool inter = p.rotary_interleaved;
+#pragma unroll 4
+      for (int i = t; i < rows * half; i += nthreads) {
+        const int row = row0 + i / half, k = i % half;
+        const int r = m0 + row;
+        if (r >= valid_rows) continue;
+        const int tok = r / G;
+        const int64_t pos = p.position_ids != nullptr ? p.position_ids[static_cast<int64_t>(b) * p.query_len + tok]
+                                                      : static_cast<int64_t>(geo.past) + tok;
+        const int d0 = inter ? 2 * k : k;
+        const int d1 = inter ? 2 * k + 1 : k + half;
+        T* const e0 = reinterpret_cast<T*>(q_block + q_block_off(row, d0 >> 3) + (d0 & 7) * 2);
+        T* const e1 = reinterpret_cast<T*>(q_block + q_block_off(row, d1 >> 3) + (d1 & 7) * 2);
+        const float x0 = H::to_float(*e0), x1 = H::to_float(*e1);
+        float y0, y1;
+        if (pos >= 0 && pos < p.max_positions) {
+          const int64_t ci = pos * half + k;
+          const float cs = load_rotary(p.cos_cache, p.rotary_dtype, ci);
+          const float sn = load_rotary(p.sin_cache, p.rotary_dtype, ci);
+          // Unfused products, as the CPU backend computes them.
+          y0 = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
+          y1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+        } else {  // prep flags this; never read out of bounds
+          y0 = y1 = __int_as_float(0x7fc00000);
+        }
+        *e0 = H::from_float(y0);
+        *e1 = H::from_float(y1);
+      }
+      sync();
+    }
+  };
+
+  if constexpr (!computes) {  // the loader warpgroup: the block's Q, then every tile in loop order
+    // The Q tile: with two Q buffers first (the computing warpgroups finished its buffer's last
+    // block long ago); with one, after the first stages, since its buffer frees only when the
+    // computing warpgroups finish the previous block.
+    auto stage_q = [&]() {
+      if (q_slot >= C::kQBuffers)
+        wg::mbarrier_wait(smem_addr(&pipe.q_empty[q_buffer]), ((q_slot / C::kQBuffers) - 1) & 1);
+      issue_q(0, C::BM, ld_tid, C::kLoaderThreads);
+      cp_async_wait<0>();
+      if (a.q_sign != 0u || a.rotate) {
+        wg::warpgroup_barrier();
+        transform_q(0, C::BM, ld_tid, C::kLoaderThreads, [] { wg::warpgroup_barrier(); });
+      }
+      wg::generic_to_async_proxy();  // for wgmma, as with the cp.async K/V tiles
+      wg::mbarrier_arrive(smem_addr(&pipe.q_full[q_buffer]));
+    };
+    const int q_at = C::kQBuffers > 1 ? 0 : min(C::kStages, n_tiles);
     // A cp.async tile is announced one tile late: each loader waits for its own copies, makes
     // them visible to the async proxy (wgmma) and only then arrives, so that the writer
     // fences, as the memory model asks; meanwhile the next tile is already in flight.
@@ -613,14 +728,15 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       if (newer_group) cp_async_wait<1>();
       else cp_async_wait<0>();
       wg::generic_to_async_proxy();
-      wg::mbarrier_arrive(smem_addr(&s_full[pending % C::kStages]));  // pending: a ring index
+      wg::mbarrier_arrive(smem_addr(&pipe.s_full[pending % C::kStages]));  // pending: a ring index
       pending = -1;
     };
     for (int it = 0; it < n_tiles; ++it) {
-      const int slot = ring + it;  // this tile's place in the stage ring
+      if (it == q_at) stage_q();
+      const int slot = pipe.ring + it;  // this tile's place in the stage ring
       const int stage = slot % C::kStages;
-      const uint32_t full = smem_addr(&s_full[stage]);
-      if (slot >= C::kStages) wg::mbarrier_wait(smem_addr(&s_empty[stage]), ((slot / C::kStages) - 1) & 1);
+      const uint32_t full = smem_addr(&pipe.s_full[stage]);
+      if (slot >= C::kStages) wg::mbarrier_wait(smem_addr(&pipe.s_empty[stage]), ((slot / C::kStages) - 1) & 1);
       const int tile = t_end - 1 - it;
       // TMA only for tiles that lie wholly below `total`: keys past it must read as zeros (a
       // zero weight times a stale NaN is NaN), which only cp.async's zero fill gives.
@@ -646,15 +762,22 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       }
     }
     announce_pending(false);
-    ring += n_tiles;
+    if (q_at == n_tiles) stage_q();
+    pipe.ring += n_tiles;
   } else {
     if constexpr (!C::kWarpSpecialized) {
-      // Start streaming K/V before touching Q, so the copies overlap the Q load and RoPE.
+      // This warp's Q rows first, then the first K/V stages, all in flight at once; Q's group
+      // is the oldest, so waiting for all but the K/V groups waits for Q alone.
+      issue_q(warp_row0, C::kWarpRows, lane, 32);
 #pragma unroll
       for (int st = 0; st < C::kStages - 1; ++st) {
         if (st < n_tiles) load_tile(t_end - 1 - st, st);
         cp_async_commit();
       }
+      cp_async_wait<C::kStages - 1>();
+      __syncwarp();
+      transform_q(warp_row0, C::kWarpRows, lane, 32, [] { __syncwarp(); });
+      if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // Q is read by wgmma after the first barrier
     }
 
     WT w;
@@ -671,62 +794,6 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       }
     }
 
-    // ---- Q: this warp's rows -> shared memory (zero for padding), RoPE, sign ------------------
-    {
-      const TokenStrides qs = a.q_strides;
-      const T* const qg = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * qs.batch;
-      __syncwarp();  // a persistent CTA: every lane has read this warp's staging rows of its last block
-#pragma unroll 4
-      for (int i = lane; i < C::kWarpRows * CH; i += 32) {
-        const int row = i / CH, c = i % CH;
-        const int r = wrow0 + row;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < valid_rows && c * 8 < p.head_dim) {
-          const int s = r / G, h = kvh * G + (r - s * G);
-          v = __ldg(reinterpret_cast<const uint4*>(qg + static_cast<int64_t>(s) * qs.token +
-                                                   static_cast<int64_t>(h) * qs.head + c * 8));
-          v.x ^= a.q_sign;
-          v.y ^= a.q_sign;
-          v.z ^= a.q_sign;
-          v.w ^= a.q_sign;
-        }
-        *reinterpret_cast<uint4*>(q_smem + q_off(row, c)) = v;
-      }
-      __syncwarp();
-      if (a.rotate) {
-        const int half = p.rotary_dim / 2;
-        const bool inter = p.rotary_interleaved;
-        for (int i = lane; i < C::kWarpRows * half; i += 32) {
-          const int row = i / half, k = i - row * half;
-          const int r = wrow0 + row;
-          if (r >= valid_rows) continue;
-          const int s = r / G;
-          const int64_t pos = p.position_ids != nullptr
-                                  ? p.position_ids[static_cast<int64_t>(b) * p.query_len + s]
-                                  : static_cast<int64_t>(geo.past) + s;
-          const int d0 = inter ? 2 * k : k;
-          const int d1 = inter ? 2 * k + 1 : k + half;
-          T* const e0 = reinterpret_cast<T*>(q_smem + q_off(row, d0 >> 3) + (d0 & 7) * 2);
-          T* const e1 = reinterpret_cast<T*>(q_smem + q_off(row, d1 >> 3) + (d1 & 7) * 2);
-          const float x0 = H::to_float(*e0), x1 = H::to_float(*e1);
-          float y0, y1;
-          if (pos >= 0 && pos < p.max_positions) {
-            const int64_t ci = pos * half + k;
-            const float cs = load_rotary(p.cos_cache, p.rotary_dtype, ci);
-            const float sn = load_rotary(p.sin_cache, p.rotary_dtype, ci);
-            // Unfused products, as the CPU backend computes them.
-            y0 = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
-            y1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
-          } else {  // prep flags this; never read out of bounds
-            y0 = y1 = __int_as_float(0x7fc00000);
-          }
-          *e0 = H::from_float(y0);
-          *e1 = H::from_float(y1);
-        }
-        __syncwarp();
-      }
-      if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // Q is read by wgmma after the next barrier
-    }
 
     // ---- per-lane ldmatrix addressing ----------------------------------------------------------
     // A (Q, row-major) and V (trans): lanes 0-15 rows 0-15 of chunk 2k, lanes 16-31 chunk 2k+1.
@@ -766,17 +833,17 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     const bool cap = a.softcap_on != 0;
 
     if constexpr (C::kWarpSpecialized) {
-      // Each warpgroup meets once, so that its Q tile is complete before its first wgmma; from
-      // then on only the stage mbarriers order anything.
-      wg::warpgroup_barrier();
-      const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
+      // The loader staged this block's Q tile (and fenced it for the async proxy).
+      wg::mbarrier_wait(smem_addr(&pipe.q_full[q_buffer]), (q_slot / C::kQBuffers) & 1);
+      const uint32_t q_tile = smem_addr(q_block + (warp >> 2) * 64 * RB);
       // (The loader fenced its cp.async data for the async proxy before arriving; TMA writes
       // through the async proxy itself.)
       // Tile `it` of this block sits in place ring + it of the stage ring.
+      const int ring = pipe.ring;
       auto wait_full = [&](int it) {
-        wg::mbarrier_wait(smem_addr(&s_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
+        wg::mbarrier_wait(smem_addr(&pipe.s_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
       };
-      auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&s_empty[(ring + it) % C::kStages])); };
+      auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&pipe.s_empty[(ring + it) % C::kStages])); };
       auto k_tile = [&](int it) { return k_base + ((ring + it) % C::kStages) * C::kTileBytes; };
       auto v_tile = [&](int it) { return v_base + ((ring + it) % C::kStages) * C::kTileBytes; };
       for (int it = 0; it < n_tiles; ++it) {
@@ -791,7 +858,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         }
         release(it);
       }
-      ring += n_tiles;
+      pipe.ring += n_tiles;
     } else if constexpr (!C::kPipe) {
       int stage = 0;
       for (int it = 0; it < n_tiles; ++it) {
@@ -958,6 +1025,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
                                   static_cast<int64_t>(h) * p.output_strides.head + c * 8) = v;
       }
     }
+    // This thread is done with the Q tile (its staging rows read back): the loader may refill it.
+    if constexpr (C::kWarpSpecialized) wg::mbarrier_arrive(smem_addr(&pipe.q_empty[q_buffer]));
   }
 }
 
@@ -976,7 +1045,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   unsigned char* const smem =
       C::kWgmma ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
   __shared__ uint32_t s_error;
-  __shared__ __align__(8) uint64_t s_full[C::kStages], s_empty[C::kStages];  // WS only
+  // WS only: the K/V stage and Q tile mbarriers.
+  __shared__ __align__(8) uint64_t s_full[C::kStages], s_empty[C::kStages], q_full[C::kQBuffers],
+      q_empty[C::kQBuffers];
   if (threadIdx.x == 0) {
     const uint32_t* const word = a.p.error_word;
     s_error = word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(word) : 0u;
@@ -985,28 +1056,43 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         wg::mbarrier_init(smem_addr(&s_full[s]), C::kLoaderThreads);
         wg::mbarrier_init(smem_addr(&s_empty[s]), C::kConsumerThreads);
       }
+      for (int s = 0; s < C::kQBuffers; ++s) {
+        wg::mbarrier_init(smem_addr(&q_full[s]), C::kLoaderThreads);
+        wg::mbarrier_init(smem_addr(&q_empty[s]), C::kConsumerThreads);
+      }
     }
   }
   __syncthreads();
   const uint32_t error = s_error;
-  int ring = 0;
+  Pipeline pipe{s_full, s_empty, q_full, q_empty};
   if constexpr (C::kWarpSpecialized) {
     const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
     auto block_of_round = [&](int r) {
       if (!a.persistent) return r == 0 ? c : INT_MAX;
       return r * g + (r & 1 ? g - 1 - c : c);
     };
+    // Each role walks the rounds with the next block's seqlens_k already in flight.
+    auto walk = [&](auto role) {
+      int work = block_of_round(0);
+      int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords(a, work).b] : 0;
+      for (int r = 0; work < a.num_work; ++r) {
+        const int next = block_of_round(r + 1);
+        const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
+        prefill_block<T, C, kSplit, decltype(role)::value>(a, smem, pipe, error, work, seqlen);
+        work = next;
+        seqlen = next_seqlen;
+      }
+    };
     if (threadIdx.x >= C::kConsumerThreads) {  // the loader warpgroup
       wg::release_registers<C::kLoaderRegs>();
-      for (int r = 0, work = block_of_round(0); work < a.num_work; work = block_of_round(++r))
-        prefill_block<T, C, kSplit, Role::kLoader>(a, smem, s_full, s_empty, error, work, ring);
+      walk(std::integral_constant<Role, Role::kLoader>{});
       return;
     }
     wg::claim_registers<C::kConsumerRegs>();
-    for (int r = 0, work = block_of_round(0); work < a.num_work; work = block_of_round(++r))
-      prefill_block<T, C, kSplit, Role::kCompute>(a, smem, s_full, s_empty, error, work, ring);
+    walk(std::integral_constant<Role, Role::kCompute>{});
   } else {
-    prefill_block<T, C, kSplit, Role::kAll>(a, smem, s_full, s_empty, error, static_cast<int>(blockIdx.x), ring);
+    const int work = static_cast<int>(blockIdx.x);
+    prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, a.p.seqlens_k[block_coords(a, work).b]);
   }
 }
 
