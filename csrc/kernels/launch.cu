@@ -68,12 +68,17 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
   const bool separate_check =
       p.do_rotary && p.position_ids != nullptr && static_cast<int64_t>(p.batch) * p.query_len > 2048;
   if (separate_check) detail::launch_validate_rows(p, stream);
-  detail::launch_prep(p, !separate_check, stream);
-  // The tensor-core kernel reads q in place (packed or not) and rotates it on load; it
-  // declines fp32, unsupported head sizes and misaligned rows, which take the generic kernel
-  // (which does not split). When the plan splits the key range, the merge finishes the rows.
-  if (launch_prefill_mma(p, p.query, p.query_strides, p.do_rotary, w.partial_out, w.partial_lse, w.max_splits,
-                         stream)) {
+  // The tensor-core kernel reads q in place (packed or not). With RoPE, prep rotates q into the
+  // output tensor and the kernel reads it from there (each block reads its q rows before it
+  // writes the same rows of output): one bandwidth-bound pass, where rotating on load sat on
+  // every query block's critical path. The kernel declines fp32, unsupported head sizes and
+  // misaligned rows, which take the generic kernel (which rotates q itself and does not split).
+  // When the plan splits the key range, the merge finishes the rows.
+  const void* q = p.do_rotary ? p.output : p.query;
+  const TokenStrides q_strides = p.do_rotary ? p.output_strides : p.query_strides;
+  const bool tensor_cores = prefill_mma_covers(p, q, q_strides);
+  detail::launch_prep(p, !separate_check, stream, tensor_cores && p.do_rotary);
+  if (tensor_cores && launch_prefill_mma(p, q, q_strides, w.partial_out, w.partial_lse, w.max_splits, stream)) {
     if (w.max_splits > 1) detail::launch_merge(p, w, stream);
     return;
   }

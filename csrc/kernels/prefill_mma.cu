@@ -118,7 +118,6 @@ struct Args {
   Params p;
   const void* q;
   TokenStrides q_strides;
-  int32_t rotate;
   uint32_t q_sign;      // 0x80008000 when scale < 0: q is negated on load (exact), |scale| used
   int32_t num_mblocks;  // query blocks per (batch row, KV head)
   int32_t num_work;     // query blocks in all: num_mblocks * kv_heads * batch
@@ -197,14 +196,6 @@ struct Half {
 template <int D>
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
-}
-
-__device__ __forceinline__ float load_rotary(const void* base, DType t, int64_t idx) {
-  switch (t) {
-    case DType::kFloat32: return static_cast<const float*>(base)[idx];
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[idx]);
-    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[idx]);
-  }
 }
 
 // Writes `word2` (two halves) into every element of this warp's rows of the output.
@@ -633,8 +624,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   // ---- Q staging: rows [row0, row0 + rows) of the block into its Q tile, by `nthreads`
   // threads (t = 0 .. nthreads - 1, nthreads a multiple of the chunks per row). issue_q starts
   // cp.async copies (zero fill for padding rows and columns past head_dim) as one group; once
-  // the caller has waited for that group and met the other threads (sync), transform_q flips
-  // the sign (scale < 0: exact) and applies RoPE in place, meeting again after each pass.
+  // the caller has waited for that group, negate_q flips the sign of the same thread's chunks
+  // (scale < 0; exact). RoPE on q, when asked for, was applied by prep (launch.cu).
   auto issue_q = [&](int row0, int rows, int t, int nthreads) {
     const TokenStrides qs = a.q_strides;
     const T* const qg = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * qs.batch;
@@ -653,52 +644,17 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     }
     cp_async_commit();
   };
-  auto transform_q = [&](int row0, int rows, int t, int nthreads, auto sync) {
-    if (a.q_sign != 0u) {
-      const int c = t % CH;
-      for (int row = row0 + t / CH; row < row0 + rows; row += nthreads / CH) {
-        if (m0 + row >= valid_rows || c * 8 >= p.head_dim) continue;
-        uint4* const e = reinterpret_cast<uint4*>(q_block + q_block_off(row, c));
-        uint4 v = *e;
-        v.x ^= a.q_sign;
-        v.y ^= a.q_sign;
-        v.z ^= a.q_sign;
-        v.w ^= a.q_sign;
-        *e = v;
-      }
-      sync();
-    }
-    if (a.rotate) {
-      const int half = p.rotary_dim / 2;
-      const bool inter = p.rotary_interleaved;
-#pragma unroll 4
-      for (int i = t; i < rows * half; i += nthreads) {
-        const int row = row0 + i / half, k = i % half;
-        const int r = m0 + row;
-        if (r >= valid_rows) continue;
-        const int tok = r / G;
-        const int64_t pos = p.position_ids != nullptr ? p.position_ids[static_cast<int64_t>(b) * p.query_len + tok]
-                                                      : static_cast<int64_t>(geo.past) + tok;
-        const int d0 = inter ? 2 * k : k;
-        const int d1 = inter ? 2 * k + 1 : k + half;
-        T* const e0 = reinterpret_cast<T*>(q_block + q_block_off(row, d0 >> 3) + (d0 & 7) * 2);
-        T* const e1 = reinterpret_cast<T*>(q_block + q_block_off(row, d1 >> 3) + (d1 & 7) * 2);
-        const float x0 = H::to_float(*e0), x1 = H::to_float(*e1);
-        float y0, y1;
-        if (pos >= 0 && pos < p.max_positions) {
-          const int64_t ci = pos * half + k;
-          const float cs = load_rotary(p.cos_cache, p.rotary_dtype, ci);
-          const float sn = load_rotary(p.sin_cache, p.rotary_dtype, ci);
-          // Unfused products, as the CPU backend computes them.
-          y0 = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
-          y1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
-        } else {  // prep flags this; never read out of bounds
-          y0 = y1 = __int_as_float(0x7fc00000);
-        }
-        *e0 = H::from_float(y0);
-        *e1 = H::from_float(y1);
-      }
-      sync();
+  auto negate_q = [&](int row0, int rows, int t, int nthreads) {
+    const int c = t % CH;
+    for (int row = row0 + t / CH; row < row0 + rows; row += nthreads / CH) {
+      if (m0 + row >= valid_rows || c * 8 >= p.head_dim) continue;
+      uint4* const e = reinterpret_cast<uint4*>(q_block + q_block_off(row, c));
+      uint4 v = *e;
+      v.x ^= a.q_sign;
+      v.y ^= a.q_sign;
+      v.z ^= a.q_sign;
+      v.w ^= a.q_sign;
+      *e = v;
     }
   };
 
@@ -711,10 +667,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         wg::mbarrier_wait(smem_addr(&pipe.q_empty[q_buffer]), ((q_slot / C::kQBuffers) - 1) & 1);
       issue_q(0, C::BM, ld_tid, C::kLoaderThreads);
       cp_async_wait<0>();
-      if (a.q_sign != 0u || a.rotate) {
-        wg::warpgroup_barrier();
-        transform_q(0, C::BM, ld_tid, C::kLoaderThreads, [] { wg::warpgroup_barrier(); });
-      }
+      if (a.q_sign != 0u) negate_q(0, C::BM, ld_tid, C::kLoaderThreads);
       wg::generic_to_async_proxy();  // for wgmma, as with the cp.async K/V tiles
       wg::mbarrier_arrive(smem_addr(&pipe.q_full[q_buffer]));
     };
@@ -775,8 +728,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         cp_async_commit();
       }
       cp_async_wait<C::kStages - 1>();
+      if (a.q_sign != 0u) negate_q(warp_row0, C::kWarpRows, lane, 32);
       __syncwarp();
-      transform_q(warp_row0, C::kWarpRows, lane, 32, [] { __syncwarp(); });
       if constexpr (C::kWgmma) wg::generic_to_async_proxy();  // Q is read by wgmma after the first barrier
     }
 
@@ -1189,7 +1142,7 @@ bool encode_cache_maps(Args& a, int box_keys) {
 inline bool strides8(const TokenStrides& s) { return s.batch % 8 == 0 && s.token % 8 == 0 && s.head % 8 == 0; }
 
 // Fills `a` and returns the padded head size, or 0 when the case is not covered.
-inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q, Args& a) {
+inline int prepare(const Params& p, const void* q, TokenStrides q_strides, Args& a) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return 0;
   const int D = p.head_dim;
   if (D <= 0 || D % 8 != 0 || D > 256) return 0;
@@ -1203,15 +1156,10 @@ inline int prepare(const Params& p, const void* q, TokenStrides q_strides, bool 
   if (!strides8(q_strides) || !strides8(p.cache_strides) || !strides8(p.output_strides)) return 0;
   if (!std::isfinite(p.scale) || p.scale == 0.f) return 0;
   if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap)) return 0;
-  if (rotate_q) {
-    const int R = p.rotary_dim;
-    if (R < 2 || R % 2 != 0 || R > D || p.cos_cache == nullptr || p.sin_cache == nullptr) return 0;
-  }
   if (static_cast<int64_t>(p.query_len) * p.group_size > INT_MAX) return 0;
   a.p = p;
   a.q = q;
   a.q_strides = q_strides;
-  a.rotate = rotate_q ? 1 : 0;
   a.q_sign = p.scale < 0.f ? 0x80008000u : 0u;
   const float scale = std::fabs(p.scale);
   a.softcap_on = p.softcap > 0.f ? 1 : 0;
@@ -1310,10 +1258,15 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
 
 void set_prefill_route(int route) { pmma::g_route.store(route, std::memory_order_relaxed); }
 
-bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q, float* partial_out,
+bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides) {
+  pmma::Args a{};
+  return pmma::prepare(p, q, q_strides, a) != 0;
+}
+
+bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, float* partial_out,
                         float* partial_lse, int splits, void* stream) {
   pmma::Args a{};
-  const int dpad = pmma::prepare(p, q, q_strides, rotate_q, a);
+  const int dpad = pmma::prepare(p, q, q_strides, a);
   if (dpad == 0) return false;
   a.splits = splits > 1 ? splits : 1;
   a.partial_out = partial_out;

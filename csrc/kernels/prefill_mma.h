@@ -1,4 +1,5 @@
-// Tensor-core flash-attention prefill (mma.sync m16n8k16, sm80+) for fp16/bf16.
+// Tensor-core flash-attention prefill for fp16/bf16: mma.sync m16n8k16 (sm80+), and on sm90
+// in an sm90a build warp-specialised wgmma kernels fed by TMA.
 // Torch-free: callable from any host code that has filled a gqa::Params.
 #pragma once
 
@@ -10,7 +11,8 @@ namespace cuda {
 // Enqueues the attention of every query row of the call on `stream` (a cudaStream_t), reading
 // K/V from p.key_cache/p.value_cache (already appended by prep) and writing p.output in place.
 // `q` with `q_strides` (elements: batch, token, head; D contiguous) may point into a packed QKV
-// tensor; with `rotate_q` RoPE is applied to q on load (p.rotary_* / cos / sin / position_ids).
+// tensor, or be p.output itself (each block reads its q rows before it writes the same rows of
+// output); it is read as is (RoPE, when the call asks for it, is the caller's: prep).
 //
 // Returns false, launching nothing, when this kernel does not cover the case (fp32, a head size
 // that is not a multiple of 8 or is above 256, pointers or strides not 16-byte aligned, ...):
@@ -18,17 +20,20 @@ namespace cuda {
 // With splits > 1 every query block's key range is cut into `splits` parts, each CTA writes its
 // rows' normalised partial outputs and log-sum-exps ([B, S, Hq, splits, D] and [B, S, Hq,
 // splits], empty parts as -inf) instead of the output, and the caller runs the merge.
-bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, bool rotate_q, float* partial_out,
+bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, float* partial_out,
                         float* partial_lse, int splits, void* stream);
 
+// Whether launch_prefill_mma would take this case (the same checks, nothing launched).
+bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
+
 // Which variant of the kernel prefill takes (tests and benchmarks pin one):
-//   0 auto: the Hopper wgmma variant for padded head size 128 on an sm90 device when the build
-//           targets sm90a (measured faster there; slower at 64), mma.sync otherwise;
-//   1 mma.sync always; 2 wgmma whenever it can run (padded head size 64 or 128, sm90, sm90a build);
-//   3 (experimental) the pipelined wgmma order where wgmma can run; 4 and 5 (experimental) routes
-//   2 and 3 with 128-key tiles; 6 and 7 (experimental) routes 2 and 3 warp-specialised; 8
-//   (experimental) route 7 with the two computing warpgroups taking turns (ping-pong); 9 and 10
-//   (experimental) routes 7 and 8 loading whole K/V tiles by TMA.
+//   0 auto: on an sm90 device in an sm90a build, the warp-specialised wgmma kernel with
+//           persistent CTAs (padded head sizes 64, 128, 256) or, for a split key range, the
+//           plain wgmma kernel (64, 128); mma.sync otherwise;
+//   1 mma.sync always; 2 the plain wgmma kernel where it can run (64, 128);
+//   3 the warp-specialised kernel, one CTA per query block; 4 the same with cp.async instead
+//   of TMA in its loader (the fallback when the driver has no TMA encoder); 5 the same as 3
+//   with persistent CTAs (auto's choice).
 void set_prefill_route(int route);
 
 }  // namespace cuda

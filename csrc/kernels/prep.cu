@@ -5,7 +5,11 @@
 // A CTA that finds the error word already set writes nothing; a row that violates a bound
 // ORs its flags into the word, and then no CTA of the call writes anything (every CTA checks
 // every row; explicit positions are checked by validate_rows_kernel first when there are
-// many). The query is not touched here: the attention kernels apply RoPE to it on load.
+// many). The query is normally not touched here: the attention kernels apply RoPE to it on
+// load. With `rope_q` (prefill on the tensor-core kernel) the new tokens' query rows are
+// rotated here instead, into the output tensor (which has q's shape and which the attention
+// kernel then reads q from, block by block, before it writes that block's output over it):
+// one bandwidth-bound pass instead of a rotation on every attention block's critical path.
 #include <algorithm>
 
 #include "kernels.h"
@@ -108,7 +112,8 @@ __global__ void __launch_bounds__(kPrepThreads) validate_rows_kernel(const __gri
 // One warp per (token row, kv head) item.
 template <typename T>
 __global__ void __launch_bounds__(kPrepThreads)
-    prep_kernel(const __grid_constant__ Params p, int rows_per_cta, int check_positions, int vec_cache, int vec_past) {
+    prep_kernel(const __grid_constant__ Params p, int rows_per_cta, int check_positions, int vec_cache, int vec_past,
+                int rope_q) {
   pdl_wait();
   pdl_launch_dependents();
   const int b = blockIdx.y;
@@ -163,6 +168,18 @@ __global__ void __launch_bounds__(kPrepThreads)
       const int64_t pos = p.do_rotary ? rotary_position(p, g, b, s_new) : 0;
       rope_row<T>(p, ksrc, p.do_rotary, pos, lane, 32, [&](int d, T v) { kd[d] = v; });
       for (int d = lane; d < D; d += 32) vd[d] = vsrc[d];
+      if (rope_q) {  // the G query heads of kv head h at this token, rotated into the output
+        const TokenStrides qs = p.query_strides;
+        const TokenStrides os = p.output_strides;
+        for (int gq = 0; gq < p.group_size; ++gq) {
+          const int hq = h * p.group_size + gq;
+          const T* qsrc = static_cast<const T*>(p.query) + b * qs.batch + static_cast<int64_t>(s_new) * qs.token +
+                          static_cast<int64_t>(hq) * qs.head;
+          T* qdst = static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(s_new) * os.token +
+                    static_cast<int64_t>(hq) * os.head;
+          rope_row<T>(p, qsrc, true, pos, lane, 32, [&](int d, T v) { qdst[d] = v; });
+        }
+      }
     } else if (from_past && p.past_key != nullptr) {
       const TokenStrides ps = p.past_strides;
       const int64_t past_off = b * ps.batch + static_cast<int64_t>(t) * ps.token + h * ps.head;
@@ -182,7 +199,7 @@ bool strides16(const TokenStrides& s, int esize) {
 }
 
 template <typename T>
-void launch_prep_t(const Params& p, bool check_positions, cudaStream_t stream) {
+void launch_prep_t(const Params& p, bool check_positions, bool rope_q, cudaStream_t stream) {
   const int esize = static_cast<int>(sizeof(T));
   const bool row16 = (p.head_dim * esize) % 16 == 0;
   const bool vec_cache = row16 && aligned16(p.key_cache) && aligned16(p.value_cache) && strides16(p.cache_strides, esize);
@@ -194,7 +211,7 @@ void launch_prep_t(const Params& p, bool check_positions, cudaStream_t stream) {
   // the row checks and the error latch live here.
   const dim3 grid(std::max(1, (span + rows_per_cta - 1) / rows_per_cta), p.batch);
   launch_kernel("prep_kernel", prep_kernel<T>, grid, dim3(kPrepThreads), 0, stream, p, rows_per_cta,
-                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0);
+                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0, rope_q && p.do_rotary ? 1 : 0);
 }
 
 }  // namespace
@@ -211,11 +228,11 @@ void launch_validate_rows(const Params& p, cudaStream_t stream) {
   launch_kernel("validate_rows_kernel", validate_rows_kernel, dim3(p.batch), dim3(kPrepThreads), 0, stream, p);
 }
 
-void launch_prep(const Params& p, bool check_positions, cudaStream_t stream) {
+void launch_prep(const Params& p, bool check_positions, cudaStream_t stream, bool rope_q) {
   switch (p.dtype) {
-    case DType::kFloat32: launch_prep_t<float>(p, check_positions, stream); break;
-    case DType::kFloat16: launch_prep_t<__half>(p, check_positions, stream); break;
-    default: launch_prep_t<__nv_bfloat16>(p, check_positions, stream); break;
+    case DType::kFloat32: launch_prep_t<float>(p, check_positions, rope_q, stream); break;
+    case DType::kFloat16: launch_prep_t<__half>(p, check_positions, rope_q, stream); break;
+    default: launch_prep_t<__nv_bfloat16>(p, check_positions, rope_q, stream); break;
   }
 }
 
