@@ -30,20 +30,21 @@ sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 import gqa_torch  # noqa: E402
 from common import capture_graph, time_graph  # noqa: E402
 
-ROWS = {  # name: (B, L, S): S = 1 decode, else a causal prefill of S tokens on an empty cache
+ROWS = {  # name: (B, L, S[, D]): S = 1 decode, else a causal prefill of S tokens on an empty cache
     "b1_l1024": (1, 1024, 1),
     "b1_l8192": (1, 8192, 1),
     "b8_l8192": (8, 8192, 1),
     "b8_l32768": (8, 32768, 1),
     "b64_l32768": (64, 32768, 1),
     "prefill_b2_l4096": (2, 4096, 4096),
+    "prefill_b2_l4096_d64": (2, 4096, 4096, 64),
 }
-HQ, HKV, D = 32, 8, 128
+HQ, HKV = 32, 8
 
 
 def make_call(row: str):
     """Returns step(i) over enough input sets to rotate beyond L2, and the set count."""
-    b, length, s = ROWS[row]
+    b, length, s, D = (*ROWS[row], 128)[:4]
     kv_bytes = 2 * b * HKV * length * D * 2
     n = max(1, min(32, (400 << 20) // kv_bytes + 1))
     dt = torch.bfloat16
