@@ -21,14 +21,16 @@
 // - Optional (Config::kPipe, not used by the shipped configs: no gain measured on an H200):
 //   S of tile t+1 is issued before P V of tile t so the softmax overlaps the MMAs.
 // - CTAs are ordered heaviest query block first (causal work grows with the block index).
-// - On sm90 (an sm90a build) head sizes up to 128 run the same body with wgmma (S and P V as
-//   warpgroup MMAs on shared-memory tiles), warp-specialised (Config::kWarpSpecialized: a
-//   loader warpgroup fills the stages by TMA) and persistent; see Config and launch_default.
+// - On sm90 (an sm90a build) padded head sizes 64, 128 and 256 run the same body with wgmma (S
+//   and P V as warpgroup MMAs on shared-memory tiles), warp-specialised (Config::kWarpSpecialized:
+//   a loader warpgroup stages each block's Q and fills the K/V stages by TMA) and persistent;
+//   see Config and launch_default.
 //
 // Semantics are SPEC §3 per batch row: ragged total / query_start per row (batched chunked
 // prefill and first-prompt padding in one launch), softcap, local window, head sink, smooth
-// softmax, RoPE on q (rounded to the storage dtype, as the CPU backend does). A row whose
-// geometry is invalid, or any row when the sticky error word is set, gets NaN outputs.
+// softmax. q is read as given (with RoPE, prep has rotated it into the output tensor, which is
+// then q: launch.cu). A row whose geometry is invalid, or any row when the sticky error word
+// is set, gets NaN outputs.
 #include "prefill_mma.h"
 
 #include <cuda.h>  // CUtensorMap (the encoder is fetched through the runtime, no -lcuda)
