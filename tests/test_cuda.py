@@ -145,7 +145,8 @@ PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_pers
 @pytest.fixture(params=PREFILL_ROUTES)
 def prefill_route(request):
     """Pins the prefill kernel (the default, "auto", takes wgmma_ws_persistent for padded head
-    sizes 64 and 128 on sm90, else mma), so that every kernel stays tested at every head size."""
+    sizes 64, 128 and 256 on sm90, else mma), so that every kernel stays tested at every head
+    size."""
     if request.param.startswith("wgmma") and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma prefill needs an sm90 GPU")
     if request.param.startswith("wgmma") and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
