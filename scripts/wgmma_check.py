@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Diagnoses the wgmma prefill routes (device only) against the mma.sync kernel.
 
-For a few plain causal prefills (bf16 and fp16, D = 64 and 128), runs the in-place op with each
+For a few plain causal prefills (bf16 and fp16, D = 64, 128 and 256), runs the in-place op with each
 wgmma route (plain, warp-specialised with TMA or cp.async, persistent) and with the mma.sync
 kernel on the same inputs and prints the largest difference, then, when they differ, where:
 the error averaged per block of 8 output columns and per 8 query rows of a 64-row warpgroup

@@ -29,8 +29,8 @@ void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
 // threads load), "wgmma_ws" (warp-specialised, TMA, one CTA per query block),
 // "wgmma_ws_cpasync" (the same with cp.async, its fallback without a TMA encoder),
 // "wgmma_ws_persistent" (warp-specialised, one CTA per SM walking the blocks), the wgmma ones
-// on sm90 only, or "auto" (the default: wgmma_ws_persistent for padded head sizes 64 and 128 on
-// sm90, else mma). No-op in a CPU-only build.
+// on sm90 only, or "auto" (the default: wgmma_ws_persistent for padded head sizes 64, 128 and
+// 256 on sm90, else mma). No-op in a CPU-only build.
 void set_prefill_route(const std::string& route);
 
 // Global debugging switch: every CUDA call checks the error word synchronously.
