@@ -205,6 +205,86 @@ __device__ __forceinline__ void rope_row(const Params& p, const T* src, bool rot
   }
 }
 
+// rope_row with 16-byte accesses: src and dst rows 16-byte aligned, D a multiple of E = 16 /
+// sizeof(T), and the rotary part whole chunks (half style: R / 2 a multiple of E, each unit a
+// chunk and its partner R / 2 later; interleaved: R a multiple of E, each unit one chunk of E / 2
+// pairs; the chunks past R are units of their own, copied). Same arithmetic and roundings as
+// rope_row; the caller checks rope_vec_ok.
+GQA_HOST_DEVICE bool rope_vec_ok(const Params& p, int elem_bytes, bool rotate) {
+  const int E = 16 / elem_bytes;
+  if ((p.head_dim % E) != 0) return false;
+  if (!rotate) return true;
+  return p.rotary_interleaved ? p.rotary_dim % E == 0 : (p.rotary_dim / 2) % E == 0;
+}
+// The units of one row: rotation units first, then the chunks copied unchanged.
+GQA_HOST_DEVICE int rope_vec_units(const Params& p, int elem_bytes, bool rotate) {
+  const int E = 16 / elem_bytes;
+  const int R = rotate ? p.rotary_dim : 0;
+  return (p.rotary_interleaved ? R / E : R / (2 * E)) + (p.head_dim - R) / E;
+}
+// Unit u of a row (u < rope_vec_units).
+template <typename T>
+__device__ __forceinline__ void rope_unit_vec(const Params& p, const T* src, T* dst, bool rotate, int64_t pos, int u) {
+  constexpr int E = 16 / static_cast<int>(sizeof(T));
+  const int R = rotate ? p.rotary_dim : 0;
+  const bool inter = p.rotary_interleaved;
+  const int rot_units = inter ? R / E : R / (2 * E);
+  const uint4* const s4 = reinterpret_cast<const uint4*>(src);
+  uint4* const d4 = reinterpret_cast<uint4*>(dst);
+  if (u >= rot_units) {
+    const int c = R / E + (u - rot_units);
+    d4[c] = s4[c];
+    return;
+  }
+  // Element j of a chunk as float, and the chunk from E floats (constant indices only, so
+  // that nothing goes through local memory).
+  auto unpack = [](uint4 v, float (&x)[E]) {
+    const T* const e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int j = 0; j < E; ++j) x[j] = to_f(e[j]);
+  };
+  auto pack = [](const float (&y)[E]) {
+    uint4 v;
+    T* const e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int j = 0; j < E; ++j) e[j] = from_f<T>(y[j]);
+    return v;
+  };
+  // Explicit roundings (no FMA contraction), as rope_row.
+  auto rot0 = [](float a, float b, float c, float s) { return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)); };
+  auto rot1 = [](float a, float b, float c, float s) { return __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)); };
+  float x0[E], y0[E];
+  unpack(s4[u], x0);
+  if (inter) {  // pairs (2j, 2j + 1) of chunk u
+#pragma unroll
+    for (int j = 0; j < E / 2; ++j) {
+      float c, s;
+      rotary_cos_sin(p, pos, u * (E / 2) + j, c, s);
+      y0[2 * j] = rot0(x0[2 * j], x0[2 * j + 1], c, s);
+      y0[2 * j + 1] = rot1(x0[2 * j], x0[2 * j + 1], c, s);
+    }
+    d4[u] = pack(y0);
+  } else {  // pairs (j of chunk u, j of chunk u + rot_units)
+    float x1[E], y1[E];
+    unpack(s4[u + rot_units], x1);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      float c, s;
+      rotary_cos_sin(p, pos, u * E + j, c, s);
+      y0[j] = rot0(x0[j], x1[j], c, s);
+      y1[j] = rot1(x0[j], x1[j], c, s);
+    }
+    d4[u] = pack(y0);
+    d4[u + rot_units] = pack(y1);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void rope_row_vec(const Params& p, const T* src, T* dst, bool rotate, int64_t pos,
+                                             int lane, int nlanes) {
+  const int units = rope_vec_units(p, static_cast<int>(sizeof(T)), rotate);
+  for (int u = lane; u < units; u += nlanes) rope_unit_vec<T>(p, src, dst, rotate, pos, u);
+}
+
 // ---- tensor cores ------------------------------------------------------------------------
 
 template <typename T>

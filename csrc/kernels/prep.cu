@@ -108,12 +108,16 @@ __global__ void __launch_bounds__(kPrepThreads) validate_rows_kernel(const __gri
   if (flags != 0 && threadIdx.x == 0) atomicOr(p.error_word, flags);
 }
 
+// Which rows of a prep call prep_kernel may move in 16-byte chunks (launch_prep_t checks).
+enum VecRows : int { kVecNewK = 1, kVecNewV = 2, kVecQ = 4 };
+
 // grid: (ceil(span / rows_per_cta), B); span = S (in place) or C (functional).
 // One warp per (token row, kv head) item.
+// (At least 2 CTAs an SM: left to itself ptxas capped the registers at 64 and spilled.)
 template <typename T>
-__global__ void __launch_bounds__(kPrepThreads)
+__global__ void __launch_bounds__(kPrepThreads, 2)
     prep_kernel(const __grid_constant__ Params p, int rows_per_cta, int check_positions, int vec_cache, int vec_past,
-                int rope_q) {
+                int rope_q, int vec_new) {
   pdl_wait();
   pdl_launch_dependents();
   const int b = blockIdx.y;
@@ -140,47 +144,92 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int items = (t_end - t_begin) * Hkv;
   const TokenStrides cs = p.cache_strides;
 
-  for (int item = warp; item < items; item += nwarps) {
-    const int t = t_begin + item / Hkv;
-    const int h = item - (item / Hkv) * Hkv;
-    int dest = t;
-    int s_new = -1;
-    bool from_past = false;
+  // Item `item` of this CTA: token row t of the span and kv head h; the cache row it fills
+  // (dest) and what fills it: new token s_new (>= 0), past row t, or zeros.
+  struct Item {
+    int t, h, dest, s_new;
+    bool from_past;
+  };
+  auto item_at = [&](int item) {
+    Item it{t_begin + item / Hkv, item % Hkv, 0, -1, false};
+    it.dest = it.t;
     if (p.inplace) {
-      dest = g.past + t;
-      s_new = t;
+      it.dest = g.past + it.t;
+      it.s_new = it.t;
     } else if (p.first_prompt) {
-      if (t < S) s_new = t;
-    } else if (t < g.past) {
-      from_past = true;
-    } else if (t < g.past + S) {
-      s_new = t - g.past;
+      if (it.t < S) it.s_new = it.t;
+    } else if (it.t < g.past) {
+      it.from_past = true;
+    } else if (it.t < g.past + S) {
+      it.s_new = it.t - g.past;
     }
-    const int64_t cache_off = b * cs.batch + static_cast<int64_t>(dest) * cs.token + h * cs.head;
-    T* kd = static_cast<T*>(p.key_cache) + cache_off;
-    T* vd = static_cast<T*>(p.value_cache) + cache_off;
-    if (s_new >= 0) {
-      const TokenStrides ks = p.key_strides;
-      const TokenStrides vs = p.value_strides;
-      const T* ksrc = static_cast<const T*>(p.key) + b * ks.batch + static_cast<int64_t>(s_new) * ks.token + h * ks.head;
-      const T* vsrc =
-          static_cast<const T*>(p.value) + b * vs.batch + static_cast<int64_t>(s_new) * vs.token + h * vs.head;
-      const int64_t pos = p.do_rotary ? rotary_position(p, g, b, s_new) : 0;
-      rope_row<T>(p, ksrc, p.do_rotary, pos, lane, 32, [&](int d, T v) { kd[d] = v; });
-      for (int d = lane; d < D; d += 32) vd[d] = vsrc[d];
-      if (rope_q) {  // the G query heads of kv head h at this token, rotated into the output
-        const TokenStrides qs = p.query_strides;
-        const TokenStrides os = p.output_strides;
-        for (int gq = 0; gq < p.group_size; ++gq) {
-          const int hq = h * p.group_size + gq;
-          const T* qsrc = static_cast<const T*>(p.query) + b * qs.batch + static_cast<int64_t>(s_new) * qs.token +
-                          static_cast<int64_t>(hq) * qs.head;
-          T* qdst = static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(s_new) * os.token +
-                    static_cast<int64_t>(hq) * os.head;
-          rope_row<T>(p, qsrc, true, pos, lane, 32, [&](int d, T v) { qdst[d] = v; });
-        }
+    return it;
+  };
+  const TokenStrides ks = p.key_strides, vs = p.value_strides, qs = p.query_strides, os = p.output_strides;
+  const int G = p.group_size;
+  auto cache_off = [&](const Item& it) { return b * cs.batch + static_cast<int64_t>(it.dest) * cs.token + it.h * cs.head; };
+  auto key_src = [&](const Item& it) {
+    return static_cast<const T*>(p.key) + b * ks.batch + static_cast<int64_t>(it.s_new) * ks.token + it.h * ks.head;
+  };
+  auto value_src = [&](const Item& it) {
+    return static_cast<const T*>(p.value) + b * vs.batch + static_cast<int64_t>(it.s_new) * vs.token + it.h * vs.head;
+  };
+  // The G query heads of kv head h at the new token, and their output rows.
+  auto query_src = [&](const Item& it, int gq) {
+    return static_cast<const T*>(p.query) + b * qs.batch + static_cast<int64_t>(it.s_new) * qs.token +
+           static_cast<int64_t>(it.h * G + gq) * qs.head;
+  };
+  auto query_dst = [&](const Item& it, int gq) {
+    return static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(it.s_new) * os.token +
+           static_cast<int64_t>(it.h * G + gq) * os.head;
+  };
+
+  // New rows in 16-byte units (rope_unit_vec), spread over all the CTA's threads, so that many
+  // independent loads are in flight (a warp per row left most lanes idle and chained the rows'
+  // round trips). The warp loop below does everything else.
+  const bool flat = (vec_new & kVecNewK) && (vec_new & kVecNewV) && (!rope_q || (vec_new & kVecQ));
+  if (flat) {
+    const int esize = static_cast<int>(sizeof(T));
+    const int k_units = rope_vec_units(p, esize, p.do_rotary), v_units = D * esize / 16;
+    const int q_units = rope_q ? rope_vec_units(p, esize, true) : 0;  // per query head
+    const int per_item = k_units + v_units + G * q_units;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < items * per_item; i += blockDim.x) {
+      const int item = i / per_item;
+      int u = i - item * per_item;
+      const Item it = item_at(item);
+      if (it.s_new < 0) continue;
+      const int64_t pos = p.do_rotary ? rotary_position(p, g, b, it.s_new) : 0;
+      if (u < k_units) {
+        rope_unit_vec<T>(p, key_src(it), static_cast<T*>(p.key_cache) + cache_off(it), p.do_rotary, pos, u);
+      } else if ((u -= k_units) < v_units) {
+        reinterpret_cast<uint4*>(static_cast<T*>(p.value_cache) + cache_off(it))[u] =
+            reinterpret_cast<const uint4*>(value_src(it))[u];
+      } else {
+        u -= v_units;
+        const int gq = u / q_units;
+        rope_unit_vec<T>(p, query_src(it, gq), query_dst(it, gq), true, pos, u - gq * q_units);
       }
-    } else if (from_past && p.past_key != nullptr) {
+    }
+  }
+
+  for (int item = warp; item < items; item += nwarps) {
+    const Item it = item_at(item);
+    if (flat && it.s_new >= 0) continue;
+    const int t = it.t, h = it.h, s_new = it.s_new;
+    T* kd = static_cast<T*>(p.key_cache) + cache_off(it);
+    T* vd = static_cast<T*>(p.value_cache) + cache_off(it);
+    if (s_new >= 0) {
+      const int64_t pos = p.do_rotary ? rotary_position(p, g, b, s_new) : 0;
+      if (vec_new & kVecNewK) rope_row_vec<T>(p, key_src(it), kd, p.do_rotary, pos, lane, 32);
+      else rope_row<T>(p, key_src(it), p.do_rotary, pos, lane, 32, [&](int d, T v) { kd[d] = v; });
+      copy_row(vd, value_src(it), D, lane, (vec_new & kVecNewV) != 0);
+      for (int gq = 0; rope_q && gq < G; ++gq) {  // the query rows, rotated into the output
+        T* const dst = query_dst(it, gq);
+        if (vec_new & kVecQ) rope_row_vec<T>(p, query_src(it, gq), dst, true, pos, lane, 32);
+        else rope_row<T>(p, query_src(it, gq), true, pos, lane, 32, [&](int d, T v) { dst[d] = v; });
+      }
+    } else if (it.from_past && p.past_key != nullptr) {
       const TokenStrides ps = p.past_strides;
       const int64_t past_off = b * ps.batch + static_cast<int64_t>(t) * ps.token + h * ps.head;
       copy_row(kd, static_cast<const T*>(p.past_key) + past_off, D, lane, vec_past != 0);
@@ -205,13 +254,20 @@ void launch_prep_t(const Params& p, bool check_positions, bool rope_q, cudaStrea
   const bool vec_cache = row16 && aligned16(p.key_cache) && aligned16(p.value_cache) && strides16(p.cache_strides, esize);
   const bool vec_past = vec_cache && p.past_key != nullptr && aligned16(p.past_key) && aligned16(p.past_value) &&
                         strides16(p.past_strides, esize);
+  const bool rope_vec = rope_vec_ok(p, esize, p.do_rotary);
+  int vec_new = 0;
+  if (vec_cache && rope_vec && aligned16(p.key) && strides16(p.key_strides, esize)) vec_new |= kVecNewK;
+  if (vec_cache && aligned16(p.value) && strides16(p.value_strides, esize)) vec_new |= kVecNewV;
+  if (row16 && rope_vec && aligned16(p.query) && strides16(p.query_strides, esize) && aligned16(p.output) &&
+      strides16(p.output_strides, esize))
+    vec_new |= kVecQ;
   const int span = p.inplace ? p.query_len : p.capacity;
   const int rows_per_cta = p.kv_heads >= 32 ? 1 : 32 / p.kv_heads;
   // At least one CTA per row even with nothing to write (a functional present of capacity 0):
   // the row checks and the error latch live here.
   const dim3 grid(std::max(1, (span + rows_per_cta - 1) / rows_per_cta), p.batch);
   launch_kernel("prep_kernel", prep_kernel<T>, grid, dim3(kPrepThreads), 0, stream, p, rows_per_cta,
-                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0, rope_q && p.do_rotary ? 1 : 0);
+                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0, rope_q && p.do_rotary ? 1 : 0, vec_new);
 }
 
 }  // namespace
