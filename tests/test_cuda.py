@@ -132,11 +132,11 @@ def test_cuda_prefill_sizes(seq, dtype, layout):
 @pytest.mark.parametrize("rotary,rotary_dim", [("half", 128), ("half", 16), ("half", 24), ("interleaved", 24),
                                                ("interleaved", 12), ("half", 6)])
 def test_cuda_prep_rope_chunking(dtype, rotary, rotary_dim):
-    """Prep rotates the new K rows, and for the tensor-core prefill the query rows into the
-    output, in 16-byte chunks when the rotary part is whole chunks (half style: R / 2 a multiple
-    of 16 / element size; interleaved: R), element by element otherwise: rotary sizes on both
-    sides of that line for every dtype, prefill and decode, in place (packed, strided) and
-    functional."""
+    """Prep moves rows in 16-byte units spread over the CTA when every row is aligned and the
+    rotary part is whole chunks (half style: R / 2 a multiple of 16 / element size; interleaved:
+    R), and one warp per row element by element otherwise: rotary sizes on both sides of that
+    line for every dtype, prefill and decode, in place (packed, strided) and functional (past
+    copies and zero rows)."""
     for seq in (1, 33):
         case = make_case("inplace", batch=3, seq=seq, num_heads=8, kv_num_heads=2, head_dim=128, capacity=seq + 40,
                          dtype=DTYPES[dtype], packed=seq > 1, strided=seq == 1, rotary=rotary,
