@@ -91,7 +91,11 @@ struct Config {
   static constexpr int kConsumerThreads = 32 * WARPS_;  // the warps that compute (all, without WS)
   static constexpr int kLoaderThreads = WS_ ? 128 : kConsumerThreads;
   static constexpr int kThreads = kConsumerThreads + (WS_ ? 128 : 0);
-  static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;  // WS: 128 * 40 + 256 * 232 <= 64 K
+  // WS register split (setmaxnreg): the CTA starts with 64 K / kThreads registers a thread (168
+  // for 384 threads, 128 for 512); the loader gives back down to 40 and the computing
+  // warpgroups take what that frees: 128 * 40 + 256 * 232 = 64,512 = 384 * 168, and
+  // 128 * 40 + 384 * 152 <= 512 * 128.
+  static constexpr int kLoaderRegs = 40, kConsumerRegs = WARPS_ == 12 ? 152 : 232;
   static constexpr int kWarpRows = 16 * MT_;
   static constexpr int BM = kWarpRows * WARPS_;
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -107,7 +111,8 @@ struct Config {
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
   static_assert(BN % 16 == 0, "BN must be a multiple of 16");
   static_assert((kStageKeys * kChunks) % kLoaderThreads == 0, "every loader copies the same number of chunks");
-  static_assert(!WS_ || (WGMMA_ && WARPS_ == 8 && !PIPE_), "warp specialisation: two wgmma warpgroups and a loader");
+  static_assert(!WS_ || (WGMMA_ && (WARPS_ == 8 || WARPS_ == 12) && !PIPE_),
+                "warp specialisation: two or three wgmma warpgroups and a loader");
   static_assert(!PIPE_ || (SUB_ == 1 && !WGMMA_), "the pipelined order: mma.sync, whole stages");
   static_assert(kStages >= 2, "at least double buffering");
   static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
@@ -1075,6 +1080,9 @@ using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 // pipelined order (S of the next tile with P V of this one), ping-pong between the computing
 // warpgroups, and cp.async instead of TMA in the loader (-25%); see csrc/kernels/NOTES.md.
 using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
+// Experimental (route 6): three computing warpgroups (192 rows a block), so that two can be on
+// the tensor cores while the third is in its softmax; D = 64 is bound by that chain.
+using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 // D = 256: O alone is 128 registers a thread, so 64-key tiles (S 32 more) and two stages
 // (193 KB of shared memory, room for one Q tile): 467 against 260 TFLOP/s for mma.sync.
@@ -1218,12 +1226,13 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // Routes (set_prefill_route): 0 auto, 1 mma.sync, 2 plain wgmma, 3 warp-specialised wgmma
 // (TMA) with one CTA per query block, 4 the same with cp.async in the loader (the fallback when
 // the driver has no TMA encoder), 5 warp-specialised with persistent CTAs (auto's choice: at
-// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024).
+// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024), 6 (experimental) as
+// 5 with three computing warpgroups at padded head size 64.
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
   a.use_tma = route != 4 && encode_cache_maps(a, C::kStageKeys) ? 1 : 0;
-  return launch_config<T, C>(a, stream, route == 0 || route == 5);
+  return launch_config<T, C>(a, stream, route == 0 || route >= 5);
 }
 
 template <typename T, bool kSplit>
@@ -1238,7 +1247,7 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
   if constexpr (!kSplit) {
     if (sm90 && route != 2) {
-      if (dpad == 64) return launch_ws<T, Cfg64WS>(a, stream, route);
+      if (dpad == 64) return route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }
