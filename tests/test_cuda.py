@@ -139,7 +139,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent"]
+PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws_pipe"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
