@@ -111,9 +111,9 @@ struct Config {
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
   static_assert(BN % 16 == 0, "BN must be a multiple of 16");
   static_assert((kStageKeys * kChunks) % kLoaderThreads == 0, "every loader copies the same number of chunks");
-  static_assert(!WS_ || (WGMMA_ && (WARPS_ == 8 || WARPS_ == 12)),
+  static_assert(!WS_ || (WGMMA_ && (WARPS_ == 8 || WARPS_ == 12) && !PIPE_),
                 "warp specialisation: two or three wgmma warpgroups and a loader");
-  static_assert(!PIPE_ || (SUB_ == 1 && (!WGMMA_ || WS_)), "the pipelined order: mma.sync or warp-specialised wgmma");
+  static_assert(!PIPE_ || (SUB_ == 1 && !WGMMA_), "the pipelined order: mma.sync, whole stages");
   static_assert(kStages >= 2, "at least double buffering");
   static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
                             (D_ == 64 || D_ == 128 || D_ == 256)),
@@ -449,74 +449,6 @@ struct WarpTile {
         wg::rs_m64<T, N>(acc[h], pa[0][j], wg::mn_major(v_tile + h * N * C::kStageKeys * 2, C::kStageKeys, j), 1);
     wg::commit();
     wg::wait_all();
-  }
-
-  // The pipelined wgmma order (C::kPipe with warp specialisation): S of the next tile and P V of
-  // this one are issued back to back as two groups, so that the next softmax runs while P V is
-  // on the tensor cores; only the rescale of O waits for P V. P of the next tile goes to its own
-  // registers (pn), since those of this tile (pa) are P V's A operand until it completes.
-  template <bool kMask, bool kCap>
-  __device__ __forceinline__ void tile_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_next,
-                                               uint32_t v_cur, int n0_next) {
-    static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
-    constexpr int N = D < 128 ? D : 128;
-    float sc[MT][NT][4];
-    float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
-    float (&oacc)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
-    float (&oh)[D / N][N / 2] = reinterpret_cast<float (&)[D / N][N / 2]>(o);
-    uint32_t (&pflat)[BN / 4] = reinterpret_cast<uint32_t (&)[BN / 4]>(pa);
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    // Every register write to the operands happens before the fence (else ptxas serialises).
-    wg::pin_registers(acc);
-    wg::pin_registers(oacc);
-    wg::pin_registers(pflat);
-    wg::fence_operands();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      wg::ss_m64<T, BN>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_next, C::kStageKeys, ks), ks > 0);
-    wg::commit();
-    wg::fence_operands();  // P V is a group of its own, so that S can be waited for alone
-#pragma unroll
-    for (int h = 0; h < D / N; ++h)
-#pragma unroll
-      for (int j = 0; j < BN / 16; ++j)
-        wg::rs_m64<T, N>(oh[h], pa[0][j], wg::mn_major(v_cur + h * N * C::kStageKeys * 2, C::kStageKeys, j), 1);
-    wg::commit();
-    wg::wait_pending<1>();  // S is ready; P V may still run
-    wg::pin_registers(acc);
-    uint32_t pn[MT][BN / 16][4];
-    float alpha[NR];
-    const bool rescale_o = softmax<kMask, kCap>(sc, pn, n0_next, alpha);
-    // The softmax must stay above the wait for P V or nothing overlaps: ptxas does not move
-    // arithmetic across the warpgroup barrier (register pins alone did not hold it).
-    wg::pin_registers(reinterpret_cast<uint32_t (&)[BN / 4]>(pn));
-    wg::pin_registers(alpha);
-    wg::pin_registers(m_ref);
-    wg::pin_registers(l_sum);
-    wg::warpgroup_barrier();
-    wg::wait_pending<0>();  // P V done: O and pa are free
-    wg::pin_registers(pflat);  // pa stays live until here (P V reads it asynchronously)
-    wg::pin_registers(oacc);
-    if (rescale_o) rescale(alpha);
-#pragma unroll
-    for (int j = 0; j < BN / 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pa[0][j][e] = pn[0][j][e];
-    wg::pin_registers(pflat);
-  }
-
-  // The pipelined order's first step: S and softmax of the first tile (P into pa).
-  template <bool kCap>
-  __device__ __forceinline__ void first_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_tile,
-                                                int n0, bool mask) {
-    float sc[MT][NT][4];
-    float alpha[NR];
-    compute_s_wg(sc, q_tile, k_tile);
-    if (mask)
-      softmax<true, kCap>(sc, pa, n0, alpha);
-    else
-      softmax<false, kCap>(sc, pa, n0, alpha);
   }
 
   template <bool kMask, bool kCap>
@@ -874,43 +806,17 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&pipe.s_empty[(ring + it) % C::kStages])); };
       auto k_tile = [&](int it) { return k_base + ((ring + it) % C::kStages) * C::kTileBytes; };
       auto v_tile = [&](int it) { return v_base + ((ring + it) % C::kStages) * C::kTileBytes; };
-      if constexpr (C::kPipe) {  // S of tile it + 1 in flight with P V of tile it
-        uint32_t pa[MT][BN / 16][4];
-        wait_full(0);
-        {
-          const int n0 = tile_n0(0);
-          if (cap) w.template first_pipe_wg<true>(pa, q_tile, k_tile(0), n0, needs_mask(n0));
-          else w.template first_pipe_wg<false>(pa, q_tile, k_tile(0), n0, needs_mask(n0));
+      for (int it = 0; it < n_tiles; ++it) {
+        wait_full(it);
+        const int n0 = tile_n0(it);
+        if (needs_mask(n0)) {
+          if (cap) w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0);
+          else w.template tile_wg<true, false>(q_tile, k_tile(it), v_tile(it), n0);
+        } else {
+          if (cap) w.template tile_wg<false, true>(q_tile, k_tile(it), v_tile(it), n0);
+          else w.template tile_wg<false, false>(q_tile, k_tile(it), v_tile(it), n0);
         }
-        for (int it = 0; it < n_tiles; ++it) {
-          if (it + 1 < n_tiles) {
-            wait_full(it + 1);
-            const int n1 = tile_n0(it + 1);
-            if (needs_mask(n1)) {
-              if (cap) w.template tile_pipe_wg<true, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
-              else w.template tile_pipe_wg<true, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
-            } else {
-              if (cap) w.template tile_pipe_wg<false, true>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
-              else w.template tile_pipe_wg<false, false>(pa, q_tile, k_tile(it + 1), v_tile(it), n1);
-            }
-          } else {
-            w.pv_wg(pa, v_tile(it));
-          }
-          release(it);  // K(it) and V(it) are read: every wgmma that used them has completed
-        }
-      } else {
-        for (int it = 0; it < n_tiles; ++it) {
-          wait_full(it);
-          const int n0 = tile_n0(it);
-          if (needs_mask(n0)) {
-            if (cap) w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0);
-            else w.template tile_wg<true, false>(q_tile, k_tile(it), v_tile(it), n0);
-          } else {
-            if (cap) w.template tile_wg<false, true>(q_tile, k_tile(it), v_tile(it), n0);
-            else w.template tile_wg<false, false>(q_tile, k_tile(it), v_tile(it), n0);
-          }
-          release(it);
-        }
+        release(it);
       }
       pipe.ring += n_tiles;
     } else if constexpr (!C::kPipe) {
@@ -1178,10 +1084,6 @@ using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 // the tensor cores while the third is in its softmax; D = 64 is bound by that chain.
 using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
-// Experimental (route 7): the same with the pipelined order (S of tile t + 1 in flight during
-// the softmax of tile t). The third round measured it only with 64-key tiles (+2%).
-using Cfg64WSP = Config<64, 8, 1, 128, 2, false, 1, true, 1, true, true>;
-using Cfg128WSP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, true>;
 // D = 256: O alone is 128 registers a thread, so 64-key tiles (S 32 more) and two stages
 // (193 KB of shared memory, room for one Q tile): 467 against 260 TFLOP/s for mma.sync.
 using Cfg256WS = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, true>;
@@ -1325,8 +1227,7 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // (TMA) with one CTA per query block, 4 the same with cp.async in the loader (the fallback when
 // the driver has no TMA encoder), 5 warp-specialised with persistent CTAs (auto's choice: at
 // least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024), 6 (experimental) as
-// 5 with three computing warpgroups at padded head size 64, 7 (experimental) as 5 with the
-// pipelined order at padded head sizes 64 and 128.
+// 5 with three computing warpgroups at padded head size 64.
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1346,11 +1247,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
   if constexpr (!kSplit) {
     if (sm90 && route != 2) {
-      if (dpad == 64)
-        return route == 6   ? launch_ws<T, Cfg64WS3>(a, stream, route)
-               : route == 7 ? launch_ws<T, Cfg64WSP>(a, stream, route)
-                            : launch_ws<T, Cfg64WS>(a, stream, route);
-      if (dpad == 128) return route == 7 ? launch_ws<T, Cfg128WSP>(a, stream, route) : launch_ws<T, Cfg128WS>(a, stream, route);
+      if (dpad == 64) return route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
+      if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }
   }
