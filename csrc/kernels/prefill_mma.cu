@@ -1073,17 +1073,22 @@ using Cfg256 = Config<256, 4, 1, 32, 2, false, 2, false>;
 using Cfg64W = Config<64, 8, 1, 64, 2, false, 1, false, 1, true>;
 using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 // The default on sm90a for padded head sizes 64, 128 and 256: warp-specialised (a loader
-// warpgroup stages Q and feeds two computing warpgroups through mbarrier stages, by TMA),
-// two stages, persistent CTAs; 128-key tiles at 64 and 128.
+// warpgroup stages Q and feeds the computing warpgroups through mbarrier stages, by TMA),
+// two stages, persistent CTAs; 128-key tiles at 64 and 128; three computing warpgroups at 64,
+// two at 128 and 256.
 // Measured on an H200 (bf16, causal, 32/8 heads, L = 4096 / 16384) against the other orders
 // built and timed side by side: 64-key tiles (-7 to -10%), three stages of 64 keys, the
 // pipelined order (S of the next tile with P V of this one), ping-pong between the computing
 // warpgroups, and cp.async instead of TMA in the loader (-25%); see csrc/kernels/NOTES.md.
 using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
-// Experimental (route 6): three computing warpgroups (192 rows a block), so that two can be on
-// the tensor cores while the third is in its softmax; D = 64 is bound by that chain.
+// D = 64 (auto, and route 6): three computing warpgroups (192 rows a block), so that two can be
+// on the tensor cores while the third is in its softmax; with two, D = 64 was bound by that
+// chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313 TFLOP/s with two.
 using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
+// Experimental (route 6 at D = 128): three computing warpgroups with 64-key tiles (at 152
+// registers a thread, S of a 128-key tile does not fit next to O).
+using Cfg128WS3 = Config<128, 12, 1, 64, 2, false, 1, false, 1, true, true>;
 // D = 256: O alone is 128 registers a thread, so 64-key tiles (S 32 more) and two stages
 // (193 KB of shared memory, room for one Q tile): 467 against 260 TFLOP/s for mma.sync.
 using Cfg256WS = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, true>;
@@ -1226,8 +1231,9 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // Routes (set_prefill_route): 0 auto, 1 mma.sync, 2 plain wgmma, 3 warp-specialised wgmma
 // (TMA) with one CTA per query block, 4 the same with cp.async in the loader (the fallback when
 // the driver has no TMA encoder), 5 warp-specialised with persistent CTAs (auto's choice: at
-// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024), 6 (experimental) as
-// 5 with three computing warpgroups at padded head size 64.
+// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024; at padded head size
+// 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head sizes 64 and
+// (experimental) 128.
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1247,8 +1253,10 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
   if constexpr (!kSplit) {
     if (sm90 && route != 2) {
-      if (dpad == 64) return route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
-      if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
+      if (dpad == 64)
+        return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
+      if (dpad == 128)
+        return route == 6 ? launch_ws<T, Cfg128WS3>(a, stream, route) : launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }
   }
