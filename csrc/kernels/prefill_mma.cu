@@ -1086,9 +1086,6 @@ using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 // chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313 TFLOP/s with two.
 using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
-// Experimental (route 6 at D = 128): three computing warpgroups with 64-key tiles (at 152
-// registers a thread, S of a 128-key tile does not fit next to O).
-using Cfg128WS3 = Config<128, 12, 1, 64, 2, false, 1, false, 1, true, true>;
 // D = 256: O alone is 128 registers a thread, so 64-key tiles (S 32 more) and two stages
 // (193 KB of shared memory, room for one Q tile): 467 against 260 TFLOP/s for mma.sync.
 using Cfg256WS = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, true>;
@@ -1232,8 +1229,9 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // (TMA) with one CTA per query block, 4 the same with cp.async in the loader (the fallback when
 // the driver has no TMA encoder), 5 warp-specialised with persistent CTAs (auto's choice: at
 // least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024; at padded head size
-// 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head sizes 64 and
-// (experimental) 128.
+// 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head size 64 (at
+// 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
+// removed).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1255,8 +1253,7 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
     if (sm90 && route != 2) {
       if (dpad == 64)
         return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
-      if (dpad == 128)
-        return route == 6 ? launch_ws<T, Cfg128WS3>(a, stream, route) : launch_ws<T, Cfg128WS>(a, stream, route);
+      if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }
   }
