@@ -229,6 +229,19 @@ __device__ __forceinline__ void fill_warp_rows(const Params& p, int b, int kvh, 
 // The kernel
 // ---------------------------------------------------------------------------------------------
 
+// Runs body(mask, cap) with both flags as compile-time constants (std::true_type or
+// std::false_type), so that every tile loop reaches its four tile variants through one call.
+template <class Body>
+__device__ __forceinline__ void with_mask_and_cap(bool mask, bool cap, Body&& body) {
+  if (mask) {
+    if (cap) body(std::true_type{}, std::true_type{});
+    else body(std::true_type{}, std::false_type{});
+  } else {
+    if (cap) body(std::false_type{}, std::true_type{});
+    else body(std::false_type{}, std::false_type{});
+  }
+}
+
 // Query block `work` -> (query block, kv head, batch row), heaviest query blocks first.
 struct BlockCoords {
   int mblk, kvh, b;
@@ -809,13 +822,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       for (int it = 0; it < n_tiles; ++it) {
         wait_full(it);
         const int n0 = tile_n0(it);
-        if (needs_mask(n0)) {
-          if (cap) w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0);
-          else w.template tile_wg<true, false>(q_tile, k_tile(it), v_tile(it), n0);
-        } else {
-          if (cap) w.template tile_wg<false, true>(q_tile, k_tile(it), v_tile(it), n0);
-          else w.template tile_wg<false, false>(q_tile, k_tile(it), v_tile(it), n0);
-        }
+        with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+          w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(q_tile, k_tile(it), v_tile(it), n0);
+        });
         release(it);
       }
       pipe.ring += n_tiles;
@@ -837,13 +846,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
           const uint32_t k_tile = k_base + stage * C::kTileBytes;
           const uint32_t v_tile = v_base + stage * C::kTileBytes;
-          if (needs_mask(n0s)) {
-            if (cap) w.template tile_wg<true, true>(q_tile, k_tile, v_tile, n0s);
-            else w.template tile_wg<true, false>(q_tile, k_tile, v_tile, n0s);
-          } else {
-            if (cap) w.template tile_wg<false, true>(q_tile, k_tile, v_tile, n0s);
-            else w.template tile_wg<false, false>(q_tile, k_tile, v_tile, n0s);
-          }
+          with_mask_and_cap(needs_mask(n0s), cap, [&](auto mask, auto softcap) {
+            w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(q_tile, k_tile, v_tile, n0s);
+          });
         } else {
 #pragma unroll
           for (int u = C::kSub - 1; u >= 0; --u) {
@@ -851,13 +856,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
             const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
             const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
-            if (needs_mask(n0)) {
-              if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
-              else w.template tile_plain<true, false>(k_st, v_st, n0);
-            } else {
-              if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
-              else w.template tile_plain<false, false>(k_st, v_st, n0);
-            }
+            with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+              w.template tile_plain<decltype(mask)::value, decltype(softcap)::value>(k_st, v_st, n0);
+            });
           }
         }
         if (++stage == C::kStages) stage = 0;
@@ -890,13 +891,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         if (it + 1 < n_tiles) {
           const int n1 = tile_n0(it + 1);
           const uint32_t k_next = w.k_lane + s1 * C::kTileBytes;
-          if (needs_mask(n1)) {
-            if (cap) w.template tile_pipe<true, true>(pa, k_next, v_cur, n1);
-            else w.template tile_pipe<true, false>(pa, k_next, v_cur, n1);
-          } else {
-            if (cap) w.template tile_pipe<false, true>(pa, k_next, v_cur, n1);
-            else w.template tile_pipe<false, false>(pa, k_next, v_cur, n1);
-          }
+          with_mask_and_cap(needs_mask(n1), cap, [&](auto mask, auto softcap) {
+            w.template tile_pipe<decltype(mask)::value, decltype(softcap)::value>(pa, k_next, v_cur, n1);
+          });
         } else {
           w.pv(pa, v_cur);
         }
