@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import HBM_DATASHEET_TBS, bar_plot, measure_hbm_read_tbs, progress, sets_for_bytes, time_graph, write_tables
+from common import (HBM_DATASHEET_TBS, bar_plot, measure_hbm_read_tbs, progress, sets_for_bytes, time_graph,
+                    warm_up_gpu, write_tables)
 
 DECODE_GRID = [  # B, Hq, Hkv, D, L
     (1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768),
@@ -196,6 +197,7 @@ def main():
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
+    warm_up_gpu()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16",
                 timing="median of CUDA-graph replays, inputs rotated beyond L2")
     progress("measuring HBM read bandwidth (x.sum over 4 GiB)")

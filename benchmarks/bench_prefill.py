@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import bar_plot, progress, sets_for_bytes, time_graph, write_tables
+from common import bar_plot, progress, sets_for_bytes, time_graph, warm_up_gpu, write_tables
 
 # The prefill kernels timed side by side (gqa_torch._C._set_prefill_route); "ours" is the default.
-ROUTES = ("mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent")
+ROUTES = ("mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3")
 GRID = [(8, 1024, 128), (2, 4096, 128), (1, 16384, 128), (2, 4096, 64), (2, 4096, 256)]  # B, L, D
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16
@@ -212,6 +212,7 @@ def main():
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
+    warm_up_gpu()
     progress("measuring the bf16 GEMM ceiling (8192^3)")
     ceiling = gemm_tflops()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16", heads="32/8",

@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Callable, Dict, List, Sequence
 
 import torch
@@ -49,6 +50,8 @@ def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int =
     """Median µs per call of `step(i)` (i = input set), captured in one CUDA graph."""
     calls = calls_per_replay or max(n_sets, 8)
     graph = capture_graph(step, n_sets, calls)
+    for _ in range(2):  # untimed: the clocks and caches settle
+        graph.replay()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -59,6 +62,20 @@ def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int =
         times.append(start.elapsed_time(end) * 1000.0 / calls)
     del graph
     return statistics.median(times)
+
+
+def warm_up_gpu(seconds: float = 2.0) -> None:
+    """Keeps the GPU busy with bf16 GEMMs for `seconds`, so that the first timed row does not run
+    at idle clocks (on an H200 that had idled, the first row read up to 20% slow)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(8):
+            torch.matmul(a, a, out=out)
+        torch.cuda.synchronize()
+    del a, out
+    torch.cuda.empty_cache()
 
 
 def measure_hbm_read_tbs() -> float:

@@ -54,9 +54,11 @@ for step in $steps; do
       tail -12 "$OUT/soak.log" ;;
     bench)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 bench_decode.py ${GQA_BENCH_ARGS:-}) > "$OUT/bench_decode.log" 2>&1 || status=1
+      cp -r benchmarks/results "$OUT/" 2>/dev/null
       grep -v "^    " "$OUT/bench_decode.log" | tail -45 ;;
     prefill)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 bench_prefill.py) > "$OUT/bench_prefill.log" 2>&1 || status=1
+      cp -r benchmarks/results "$OUT/" 2>/dev/null  # also when nested (GQA_NESTED)
       grep -v "^    " "$OUT/bench_prefill.log" | tail -25 ;;
     checks)
       pids=()

@@ -19,9 +19,9 @@ python3 scripts/profile_decode.py --mode timeline --prefill-route "$route" --row
 for row in $rows; do
   ncu --clock-control none -k "regex:decode_mma|merge_kernel|prefill_mma|prep_kernel" --launch-skip 2 --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section SourceCounters \
     python3 scripts/profile_decode.py --mode ncu --prefill-route "$route" --row "$row" > "$OUT/ncu_$row.log" 2>&1
   echo "== ncu $row"
-  grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Warp Cycles Per Issued|stalled|Issue Slots Busy|No Eligible|Executed Ipc A|ERROR|rror" \
+  grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Warp Cycles Per Issued|stalled|This stall|Issue Slots Busy|No Eligible|Executed Ipc A|ERROR|rror" \
     "$OUT/ncu_$row.log" | cut -c1-220 | head -60
 done

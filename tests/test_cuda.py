@@ -128,6 +128,25 @@ def test_cuda_prefill_sizes(seq, dtype, layout):
     _run_cuda_and_cpu(case)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rotary,rotary_dim", [("half", 128), ("half", 16), ("half", 24), ("interleaved", 24),
+                                               ("interleaved", 12), ("half", 6)])
+def test_cuda_prep_rope_chunking(dtype, rotary, rotary_dim):
+    """Prep moves rows in 16-byte units spread over the CTA when every row is aligned and the
+    rotary part is whole chunks (half style: R / 2 a multiple of 16 / element size; interleaved:
+    R), and one warp per row element by element otherwise: rotary sizes on both sides of that
+    line for every dtype, prefill and decode, in place (packed, strided) and functional (past
+    copies and zero rows)."""
+    for seq in (1, 33):
+        case = make_case("inplace", batch=3, seq=seq, num_heads=8, kv_num_heads=2, head_dim=128, capacity=seq + 40,
+                         dtype=DTYPES[dtype], packed=seq > 1, strided=seq == 1, rotary=rotary,
+                         rotary_dim=rotary_dim, position_ids="random")
+        _run_cuda_and_cpu(case)
+        case = make_case("functional", batch=2, seq=seq, num_heads=4, kv_num_heads=1, head_dim=128, capacity=50,
+                         dtype=DTYPES[dtype], rotary=rotary, rotary_dim=rotary_dim)
+        _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("scale,softcap", [(1e-50, 1e-40), (0.0, 1e-40), (-0.3, 1e-40)])
 def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
@@ -139,7 +158,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent"]
+PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)

@@ -205,6 +205,113 @@ __device__ __forceinline__ void rope_row(const Params& p, const T* src, bool rot
   }
 }
 
+// rope_row in 16-byte units: src and dst rows 16-byte aligned, D a multiple of E = 16 /
+// sizeof(T), and the rotary part whole chunks (half style: R / 2 a multiple of E, each unit a
+// chunk and its partner R / 2 later; interleaved: R a multiple of E, each unit one chunk of E / 2
+// pairs; the chunks past R are units of their own, copied). A unit's cos/sin values are
+// contiguous and read as vectors (so the tables must be 16-byte aligned). Same arithmetic and
+// roundings as rope_row; the caller checks rope_vec_ok.
+GQA_HOST_DEVICE bool rope_vec_ok(const Params& p, int elem_bytes, bool rotate) {
+  const int E = 16 / elem_bytes;
+  if ((p.head_dim % E) != 0) return false;
+  if (!rotate) return true;
+  const bool tables16 = ((reinterpret_cast<uintptr_t>(p.cos_cache) | reinterpret_cast<uintptr_t>(p.sin_cache)) & 15u) == 0;
+  return tables16 && (p.rotary_interleaved ? p.rotary_dim % E == 0 : (p.rotary_dim / 2) % E == 0);
+}
+// cos/sin of rotary pairs k0 .. k0 + N - 1 at `pos`, by vector loads (k0 and R / 2 multiples of N).
+template <int N>
+__device__ __forceinline__ void rotary_cos_sin_vec(const Params& p, int64_t pos, int k0, float (&c)[N], float (&s)[N]) {
+  const int64_t idx = pos * (p.rotary_dim / 2) + k0;
+  if (p.rotary_dtype == DType::kFloat32) {
+    static_assert(N % 2 == 0, "pairs of floats at least");
+#pragma unroll
+    for (int j = 0; j < N; j += 2) {  // float2 steps: the compiler merges them into wider loads
+      const float2 cv = reinterpret_cast<const float2*>(static_cast<const float*>(p.cos_cache) + idx)[j / 2];
+      const float2 sv = reinterpret_cast<const float2*>(static_cast<const float*>(p.sin_cache) + idx)[j / 2];
+      c[j] = cv.x;
+      c[j + 1] = cv.y;
+      s[j] = sv.x;
+      s[j + 1] = sv.y;
+    }
+  } else {
+    static_assert(N % 2 == 0, "pairs of halves at least");
+    const bool bf = p.rotary_dtype == DType::kBFloat16;
+#pragma unroll
+    for (int j = 0; j < N; j += 2) {
+      const uint32_t cw = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.cos_cache) + idx)[j / 2];
+      const uint32_t sw = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.sin_cache) + idx)[j / 2];
+      auto half_to_f = [bf](uint16_t h) {
+        return bf ? __bfloat162float(__ushort_as_bfloat16(h)) : __half2float(__ushort_as_half(h));
+      };
+      c[j] = half_to_f(static_cast<uint16_t>(cw & 0xffffu));
+      c[j + 1] = half_to_f(static_cast<uint16_t>(cw >> 16));
+      s[j] = half_to_f(static_cast<uint16_t>(sw & 0xffffu));
+      s[j + 1] = half_to_f(static_cast<uint16_t>(sw >> 16));
+    }
+  }
+}
+// The units of one row: rotation units first, then the chunks copied unchanged.
+GQA_HOST_DEVICE int rope_vec_units(const Params& p, int elem_bytes, bool rotate) {
+  const int E = 16 / elem_bytes;
+  const int R = rotate ? p.rotary_dim : 0;
+  return (p.rotary_interleaved ? R / E : R / (2 * E)) + (p.head_dim - R) / E;
+}
+// Unit u of a row (u < rope_vec_units).
+template <typename T>
+__device__ __forceinline__ void rope_unit_vec(const Params& p, const T* src, T* dst, bool rotate, int64_t pos, int u) {
+  constexpr int E = 16 / static_cast<int>(sizeof(T));
+  const int R = rotate ? p.rotary_dim : 0;
+  const bool inter = p.rotary_interleaved;
+  const int rot_units = inter ? R / E : R / (2 * E);
+  const uint4* const s4 = reinterpret_cast<const uint4*>(src);
+  uint4* const d4 = reinterpret_cast<uint4*>(dst);
+  if (u >= rot_units) {
+    const int c = R / E + (u - rot_units);
+    d4[c] = s4[c];
+    return;
+  }
+  // Element j of a chunk as float, and the chunk from E floats (constant indices only, so
+  // that nothing goes through local memory).
+  auto unpack = [](uint4 v, float (&x)[E]) {
+    const T* const e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int j = 0; j < E; ++j) x[j] = to_f(e[j]);
+  };
+  auto pack = [](const float (&y)[E]) {
+    uint4 v;
+    T* const e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int j = 0; j < E; ++j) e[j] = from_f<T>(y[j]);
+    return v;
+  };
+  // Explicit roundings (no FMA contraction), as rope_row.
+  auto rot0 = [](float a, float b, float c, float s) { return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)); };
+  auto rot1 = [](float a, float b, float c, float s) { return __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)); };
+  float x0[E], y0[E];
+  unpack(s4[u], x0);
+  if (inter) {  // pairs (2j, 2j + 1) of chunk u
+    float c[E / 2], s[E / 2];
+    rotary_cos_sin_vec<E / 2>(p, pos, u * (E / 2), c, s);
+#pragma unroll
+    for (int j = 0; j < E / 2; ++j) {
+      y0[2 * j] = rot0(x0[2 * j], x0[2 * j + 1], c[j], s[j]);
+      y0[2 * j + 1] = rot1(x0[2 * j], x0[2 * j + 1], c[j], s[j]);
+    }
+    d4[u] = pack(y0);
+  } else {  // pairs (j of chunk u, j of chunk u + rot_units)
+    float x1[E], y1[E], c[E], s[E];
+    unpack(s4[u + rot_units], x1);
+    rotary_cos_sin_vec<E>(p, pos, u * E, c, s);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      y0[j] = rot0(x0[j], x1[j], c[j], s[j]);
+      y1[j] = rot1(x0[j], x1[j], c[j], s[j]);
+    }
+    d4[u] = pack(y0);
+    d4[u + rot_units] = pack(y1);
+  }
+}
+
 // ---- tensor cores ------------------------------------------------------------------------
 
 template <typename T>

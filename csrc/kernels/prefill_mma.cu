@@ -91,7 +91,11 @@ struct Config {
   static constexpr int kConsumerThreads = 32 * WARPS_;  // the warps that compute (all, without WS)
   static constexpr int kLoaderThreads = WS_ ? 128 : kConsumerThreads;
   static constexpr int kThreads = kConsumerThreads + (WS_ ? 128 : 0);
-  static constexpr int kLoaderRegs = 40, kConsumerRegs = 232;  // WS: 128 * 40 + 256 * 232 <= 64 K
+  // WS register split (setmaxnreg): the CTA starts with 64 K / kThreads registers a thread (168
+  // for 384 threads, 128 for 512); the loader gives back down to 40 and the computing
+  // warpgroups take what that frees: 128 * 40 + 256 * 232 = 64,512 = 384 * 168, and
+  // 128 * 40 + 384 * 152 <= 512 * 128.
+  static constexpr int kLoaderRegs = 40, kConsumerRegs = WARPS_ == 12 ? 152 : 232;
   static constexpr int kWarpRows = 16 * MT_;
   static constexpr int BM = kWarpRows * WARPS_;
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -107,7 +111,8 @@ struct Config {
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
   static_assert(BN % 16 == 0, "BN must be a multiple of 16");
   static_assert((kStageKeys * kChunks) % kLoaderThreads == 0, "every loader copies the same number of chunks");
-  static_assert(!WS_ || (WGMMA_ && WARPS_ == 8 && !PIPE_), "warp specialisation: two wgmma warpgroups and a loader");
+  static_assert(!WS_ || (WGMMA_ && (WARPS_ == 8 || WARPS_ == 12) && !PIPE_),
+                "warp specialisation: two or three wgmma warpgroups and a loader");
   static_assert(!PIPE_ || (SUB_ == 1 && !WGMMA_), "the pipelined order: mma.sync, whole stages");
   static_assert(kStages >= 2, "at least double buffering");
   static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
@@ -223,6 +228,19 @@ __device__ __forceinline__ void fill_warp_rows(const Params& p, int b, int kvh, 
 // ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
+
+// Runs body(mask, cap) with both flags as compile-time constants (std::true_type or
+// std::false_type), so that every tile loop reaches its four tile variants through one call.
+template <class Body>
+__device__ __forceinline__ void with_mask_and_cap(bool mask, bool cap, Body&& body) {
+  if (mask) {
+    if (cap) body(std::true_type{}, std::true_type{});
+    else body(std::true_type{}, std::false_type{});
+  } else {
+    if (cap) body(std::false_type{}, std::true_type{});
+    else body(std::false_type{}, std::false_type{});
+  }
+}
 
 // Query block `work` -> (query block, kv head, batch row), heaviest query blocks first.
 struct BlockCoords {
@@ -804,13 +822,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       for (int it = 0; it < n_tiles; ++it) {
         wait_full(it);
         const int n0 = tile_n0(it);
-        if (needs_mask(n0)) {
-          if (cap) w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0);
-          else w.template tile_wg<true, false>(q_tile, k_tile(it), v_tile(it), n0);
-        } else {
-          if (cap) w.template tile_wg<false, true>(q_tile, k_tile(it), v_tile(it), n0);
-          else w.template tile_wg<false, false>(q_tile, k_tile(it), v_tile(it), n0);
-        }
+        with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+          w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(q_tile, k_tile(it), v_tile(it), n0);
+        });
         release(it);
       }
       pipe.ring += n_tiles;
@@ -832,13 +846,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           const uint32_t q_tile = smem_addr(smem + (warp >> 2) * 64 * RB);
           const uint32_t k_tile = k_base + stage * C::kTileBytes;
           const uint32_t v_tile = v_base + stage * C::kTileBytes;
-          if (needs_mask(n0s)) {
-            if (cap) w.template tile_wg<true, true>(q_tile, k_tile, v_tile, n0s);
-            else w.template tile_wg<true, false>(q_tile, k_tile, v_tile, n0s);
-          } else {
-            if (cap) w.template tile_wg<false, true>(q_tile, k_tile, v_tile, n0s);
-            else w.template tile_wg<false, false>(q_tile, k_tile, v_tile, n0s);
-          }
+          with_mask_and_cap(needs_mask(n0s), cap, [&](auto mask, auto softcap) {
+            w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(q_tile, k_tile, v_tile, n0s);
+          });
         } else {
 #pragma unroll
           for (int u = C::kSub - 1; u >= 0; --u) {
@@ -846,13 +856,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             if (C::kSub > 1 && (n0 >= key_hi || n0 + BN <= key_lo)) continue;  // no row sees it
             const uint32_t k_st = w.k_lane + stage * C::kTileBytes + u * BN * RB;
             const uint32_t v_st = w.v_lane + stage * C::kTileBytes + u * BN * RB;
-            if (needs_mask(n0)) {
-              if (cap) w.template tile_plain<true, true>(k_st, v_st, n0);
-              else w.template tile_plain<true, false>(k_st, v_st, n0);
-            } else {
-              if (cap) w.template tile_plain<false, true>(k_st, v_st, n0);
-              else w.template tile_plain<false, false>(k_st, v_st, n0);
-            }
+            with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+              w.template tile_plain<decltype(mask)::value, decltype(softcap)::value>(k_st, v_st, n0);
+            });
           }
         }
         if (++stage == C::kStages) stage = 0;
@@ -885,13 +891,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         if (it + 1 < n_tiles) {
           const int n1 = tile_n0(it + 1);
           const uint32_t k_next = w.k_lane + s1 * C::kTileBytes;
-          if (needs_mask(n1)) {
-            if (cap) w.template tile_pipe<true, true>(pa, k_next, v_cur, n1);
-            else w.template tile_pipe<true, false>(pa, k_next, v_cur, n1);
-          } else {
-            if (cap) w.template tile_pipe<false, true>(pa, k_next, v_cur, n1);
-            else w.template tile_pipe<false, false>(pa, k_next, v_cur, n1);
-          }
+          with_mask_and_cap(needs_mask(n1), cap, [&](auto mask, auto softcap) {
+            w.template tile_pipe<decltype(mask)::value, decltype(softcap)::value>(pa, k_next, v_cur, n1);
+          });
         } else {
           w.pv(pa, v_cur);
         }
@@ -1068,13 +1070,18 @@ using Cfg256 = Config<256, 4, 1, 32, 2, false, 2, false>;
 using Cfg64W = Config<64, 8, 1, 64, 2, false, 1, false, 1, true>;
 using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 // The default on sm90a for padded head sizes 64, 128 and 256: warp-specialised (a loader
-// warpgroup stages Q and feeds two computing warpgroups through mbarrier stages, by TMA),
-// two stages, persistent CTAs; 128-key tiles at 64 and 128.
+// warpgroup stages Q and feeds the computing warpgroups through mbarrier stages, by TMA),
+// two stages, persistent CTAs; 128-key tiles at 64 and 128; three computing warpgroups at 64,
+// two at 128 and 256.
 // Measured on an H200 (bf16, causal, 32/8 heads, L = 4096 / 16384) against the other orders
 // built and timed side by side: 64-key tiles (-7 to -10%), three stages of 64 keys, the
 // pipelined order (S of the next tile with P V of this one), ping-pong between the computing
 // warpgroups, and cp.async instead of TMA in the loader (-25%); see csrc/kernels/NOTES.md.
 using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
+// D = 64 (auto, and route 6): three computing warpgroups (192 rows a block), so that two can be
+// on the tensor cores while the third is in its softmax; with two, D = 64 was bound by that
+// chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313 TFLOP/s with two.
+using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 // D = 256: O alone is 128 registers a thread, so 64-key tiles (S 32 more) and two stages
 // (193 KB of shared memory, room for one Q tile): 467 against 260 TFLOP/s for mma.sync.
@@ -1218,12 +1225,15 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // Routes (set_prefill_route): 0 auto, 1 mma.sync, 2 plain wgmma, 3 warp-specialised wgmma
 // (TMA) with one CTA per query block, 4 the same with cp.async in the loader (the fallback when
 // the driver has no TMA encoder), 5 warp-specialised with persistent CTAs (auto's choice: at
-// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024).
+// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024; at padded head size
+// 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head size 64 (at
+// 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
+// removed).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
   a.use_tma = route != 4 && encode_cache_maps(a, C::kStageKeys) ? 1 : 0;
-  return launch_config<T, C>(a, stream, route == 0 || route == 5);
+  return launch_config<T, C>(a, stream, route == 0 || route >= 5);
 }
 
 template <typename T, bool kSplit>
@@ -1238,7 +1248,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
   if constexpr (!kSplit) {
     if (sm90 && route != 2) {
-      if (dpad == 64) return launch_ws<T, Cfg64WS>(a, stream, route);
+      if (dpad == 64)
+        return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }

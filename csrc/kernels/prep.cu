@@ -108,12 +108,16 @@ __global__ void __launch_bounds__(kPrepThreads) validate_rows_kernel(const __gri
   if (flags != 0 && threadIdx.x == 0) atomicOr(p.error_word, flags);
 }
 
-// grid: (ceil(span / rows_per_cta), B); span = S (in place) or C (functional).
-// One warp per (token row, kv head) item.
+// grid: (ceil(span / rows_per_cta), B); span = S (in place) or C (functional). Items are
+// (token row, kv head) pairs. `flat` (every row of the call 16-byte aligned, the rotary part
+// whole chunks, the cos/sin tables aligned: launch_prep_t checks): every item's 16-byte units
+// spread over all the CTA's threads. Otherwise one warp per item, element by element where
+// the rows are not aligned.
+// (At least 2 CTAs an SM: left to itself ptxas capped the registers at 64 and spilled.)
 template <typename T>
-__global__ void __launch_bounds__(kPrepThreads)
+__global__ void __launch_bounds__(kPrepThreads, 2)
     prep_kernel(const __grid_constant__ Params p, int rows_per_cta, int check_positions, int vec_cache, int vec_past,
-                int rope_q) {
+                int rope_q, int flat) {
   pdl_wait();
   pdl_launch_dependents();
   const int b = blockIdx.y;
@@ -140,51 +144,123 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int items = (t_end - t_begin) * Hkv;
   const TokenStrides cs = p.cache_strides;
 
-  for (int item = warp; item < items; item += nwarps) {
-    const int t = t_begin + item / Hkv;
-    const int h = item - (item / Hkv) * Hkv;
-    int dest = t;
-    int s_new = -1;
-    bool from_past = false;
+  // Item `item` of this CTA: token row t of the span and kv head h; the cache row it fills
+  // (dest) and what fills it: new token s_new (>= 0), past row t, or zeros.
+  struct Item {
+    int t, h, dest, s_new;
+    bool from_past;
+  };
+  auto item_at = [&](int item) {
+    Item it{t_begin + item / Hkv, item % Hkv, 0, -1, false};
+    it.dest = it.t;
     if (p.inplace) {
-      dest = g.past + t;
-      s_new = t;
+      it.dest = g.past + it.t;
+      it.s_new = it.t;
     } else if (p.first_prompt) {
-      if (t < S) s_new = t;
-    } else if (t < g.past) {
-      from_past = true;
-    } else if (t < g.past + S) {
-      s_new = t - g.past;
+      if (it.t < S) it.s_new = it.t;
+    } else if (it.t < g.past) {
+      it.from_past = true;
+    } else if (it.t < g.past + S) {
+      it.s_new = it.t - g.past;
     }
-    const int64_t cache_off = b * cs.batch + static_cast<int64_t>(dest) * cs.token + h * cs.head;
-    T* kd = static_cast<T*>(p.key_cache) + cache_off;
-    T* vd = static_cast<T*>(p.value_cache) + cache_off;
-    if (s_new >= 0) {
-      const TokenStrides ks = p.key_strides;
-      const TokenStrides vs = p.value_strides;
-      const T* ksrc = static_cast<const T*>(p.key) + b * ks.batch + static_cast<int64_t>(s_new) * ks.token + h * ks.head;
-      const T* vsrc =
-          static_cast<const T*>(p.value) + b * vs.batch + static_cast<int64_t>(s_new) * vs.token + h * vs.head;
-      const int64_t pos = p.do_rotary ? rotary_position(p, g, b, s_new) : 0;
-      rope_row<T>(p, ksrc, p.do_rotary, pos, lane, 32, [&](int d, T v) { kd[d] = v; });
-      for (int d = lane; d < D; d += 32) vd[d] = vsrc[d];
-      if (rope_q) {  // the G query heads of kv head h at this token, rotated into the output
-        const TokenStrides qs = p.query_strides;
-        const TokenStrides os = p.output_strides;
-        for (int gq = 0; gq < p.group_size; ++gq) {
-          const int hq = h * p.group_size + gq;
-          const T* qsrc = static_cast<const T*>(p.query) + b * qs.batch + static_cast<int64_t>(s_new) * qs.token +
-                          static_cast<int64_t>(hq) * qs.head;
-          T* qdst = static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(s_new) * os.token +
-                    static_cast<int64_t>(hq) * os.head;
-          rope_row<T>(p, qsrc, true, pos, lane, 32, [&](int d, T v) { qdst[d] = v; });
+    return it;
+  };
+  const TokenStrides ks = p.key_strides, vs = p.value_strides, qs = p.query_strides, os = p.output_strides;
+  const int G = p.group_size;
+  auto cache_off = [&](const Item& it) { return b * cs.batch + static_cast<int64_t>(it.dest) * cs.token + it.h * cs.head; };
+  auto key_src = [&](const Item& it) {
+    return static_cast<const T*>(p.key) + b * ks.batch + static_cast<int64_t>(it.s_new) * ks.token + it.h * ks.head;
+  };
+  auto value_src = [&](const Item& it) {
+    return static_cast<const T*>(p.value) + b * vs.batch + static_cast<int64_t>(it.s_new) * vs.token + it.h * vs.head;
+  };
+  // The G query heads of kv head h at the new token, and their output rows.
+  auto query_src = [&](const Item& it, int gq) {
+    return static_cast<const T*>(p.query) + b * qs.batch + static_cast<int64_t>(it.s_new) * qs.token +
+           static_cast<int64_t>(it.h * G + gq) * qs.head;
+  };
+  auto query_dst = [&](const Item& it, int gq) {
+    return static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(it.s_new) * os.token +
+           static_cast<int64_t>(it.h * G + gq) * os.head;
+  };
+
+  const bool has_past = p.past_key != nullptr;  // (none: the past rows read as zeros)
+  auto past_off = [&](const Item& it) {
+    const TokenStrides ps = p.past_strides;
+    return b * ps.batch + static_cast<int64_t>(it.t) * ps.token + it.h * ps.head;
+  };
+
+  if (flat) {
+    // 16-byte units; consecutive threads take consecutive units of a row, so that their loads
+    // (rows, cos/sin) coalesce. Moves first (new V, new K without RoPE, past rows, zeros), four
+    // a thread in flight at once; then the RoPE units (new K, and the query rows with rope_q).
+    const int esize = static_cast<int>(sizeof(T));
+    const int chunks = D * esize / 16;
+    const int moves = items * 2 * chunks;
+    constexpr int kInFlight = 4;
+    for (int base = threadIdx.x; base < moves; base += kInFlight * kPrepThreads) {
+      uint4 v[kInFlight];
+      uint4* dst[kInFlight];
+#pragma unroll
+      for (int k = 0; k < kInFlight; ++k) {
+        v[k] = make_uint4(0u, 0u, 0u, 0u);
+        dst[k] = nullptr;
+        const int i = base + k * kPrepThreads;
+        if (i >= moves) continue;
+        const int item = i / (2 * chunks);
+        const int r = i - item * 2 * chunks;
+        const bool is_k = r < chunks;
+        const int c = is_k ? r : r - chunks;
+        const Item it = item_at(item);
+        const T* src = nullptr;
+        if (it.s_new >= 0) {
+          if (is_k && p.do_rotary) continue;  // a RoPE unit
+          src = is_k ? key_src(it) : value_src(it);
+        } else if (it.from_past && has_past) {
+          src = static_cast<const T*>(is_k ? p.past_key : p.past_value) + past_off(it);
         }
+        dst[k] = reinterpret_cast<uint4*>(static_cast<T*>(is_k ? p.key_cache : p.value_cache) + cache_off(it)) + c;
+        if (src != nullptr) v[k] = reinterpret_cast<const uint4*>(src)[c];
       }
-    } else if (from_past && p.past_key != nullptr) {
-      const TokenStrides ps = p.past_strides;
-      const int64_t past_off = b * ps.batch + static_cast<int64_t>(t) * ps.token + h * ps.head;
-      copy_row(kd, static_cast<const T*>(p.past_key) + past_off, D, lane, vec_past != 0);
-      copy_row(vd, static_cast<const T*>(p.past_value) + past_off, D, lane, vec_past != 0);
+#pragma unroll
+      for (int k = 0; k < kInFlight; ++k)
+        if (dst[k] != nullptr) *dst[k] = v[k];
+    }
+    const int k_units = p.do_rotary ? rope_vec_units(p, esize, true) : 0;  // the whole K row
+    const int q_units = rope_q ? rope_vec_units(p, esize, true) : 0;       // per query head
+    const int per_item = k_units + G * q_units;
+    for (int i = threadIdx.x; i < items * per_item; i += kPrepThreads) {
+      const int item = i / per_item;
+      const int u = i - item * per_item;
+      const Item it = item_at(item);
+      if (it.s_new < 0) continue;
+      const int64_t pos = rotary_position(p, g, b, it.s_new);
+      if (u < k_units) {
+        rope_unit_vec<T>(p, key_src(it), static_cast<T*>(p.key_cache) + cache_off(it), true, pos, u);
+      } else {
+        const int gq = (u - k_units) / q_units;
+        rope_unit_vec<T>(p, query_src(it, gq), query_dst(it, gq), true, pos, u - k_units - gq * q_units);
+      }
+    }
+    return;
+  }
+
+  for (int item = warp; item < items; item += nwarps) {
+    const Item it = item_at(item);
+    const int s_new = it.s_new;
+    T* kd = static_cast<T*>(p.key_cache) + cache_off(it);
+    T* vd = static_cast<T*>(p.value_cache) + cache_off(it);
+    if (s_new >= 0) {
+      const int64_t pos = p.do_rotary ? rotary_position(p, g, b, s_new) : 0;
+      rope_row<T>(p, key_src(it), p.do_rotary, pos, lane, 32, [&](int d, T v) { kd[d] = v; });
+      copy_row(vd, value_src(it), D, lane, false);
+      for (int gq = 0; rope_q && gq < G; ++gq) {  // the query rows, rotated into the output
+        T* const dst = query_dst(it, gq);
+        rope_row<T>(p, query_src(it, gq), true, pos, lane, 32, [&](int d, T v) { dst[d] = v; });
+      }
+    } else if (it.from_past && has_past) {
+      copy_row(kd, static_cast<const T*>(p.past_key) + past_off(it), D, lane, vec_past != 0);
+      copy_row(vd, static_cast<const T*>(p.past_value) + past_off(it), D, lane, vec_past != 0);
     } else {
       zero_row(kd, D, lane, vec_cache != 0);
       zero_row(vd, D, lane, vec_cache != 0);
@@ -205,13 +281,27 @@ void launch_prep_t(const Params& p, bool check_positions, bool rope_q, cudaStrea
   const bool vec_cache = row16 && aligned16(p.key_cache) && aligned16(p.value_cache) && strides16(p.cache_strides, esize);
   const bool vec_past = vec_cache && p.past_key != nullptr && aligned16(p.past_key) && aligned16(p.past_value) &&
                         strides16(p.past_strides, esize);
+  // The flat form needs every row it may touch in 16-byte units: new K (after RoPE) and V,
+  // q and the output with rope_q, the past (functional), the cache (zero rows).
+  const bool rope_vec = rope_vec_ok(p, esize, p.do_rotary);
+  const bool new_rows16 = vec_cache && rope_vec && aligned16(p.key) && strides16(p.key_strides, esize) &&
+                          aligned16(p.value) && strides16(p.value_strides, esize);
+  const bool rotate_q = rope_q && p.do_rotary;
+  const bool q_rows16 = !rotate_q || (rope_vec_ok(p, esize, true) && aligned16(p.query) &&
+                                    strides16(p.query_strides, esize) && aligned16(p.output) &&
+                                    strides16(p.output_strides, esize));
+  const bool past16 = p.inplace || p.first_prompt || p.past_key == nullptr || vec_past;
+  const bool flat = new_rows16 && q_rows16 && past16;
   const int span = p.inplace ? p.query_len : p.capacity;
-  const int rows_per_cta = p.kv_heads >= 32 ? 1 : 32 / p.kv_heads;
+  // Flat: about one item a thread (fewer CTAs, each paying its row checks once); by warps, 32
+  // items a CTA.
+  const int items_per_cta = flat ? kPrepThreads : 32;
+  const int rows_per_cta = std::max(1, items_per_cta / p.kv_heads);
   // At least one CTA per row even with nothing to write (a functional present of capacity 0):
   // the row checks and the error latch live here.
   const dim3 grid(std::max(1, (span + rows_per_cta - 1) / rows_per_cta), p.batch);
   launch_kernel("prep_kernel", prep_kernel<T>, grid, dim3(kPrepThreads), 0, stream, p, rows_per_cta,
-                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0, rope_q && p.do_rotary ? 1 : 0);
+                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0, rotate_q ? 1 : 0, flat ? 1 : 0);
 }
 
 }  // namespace

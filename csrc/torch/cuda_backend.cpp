@@ -26,13 +26,13 @@ std::atomic<int32_t> g_min_split_keys_override{0};
 void set_prefill_route(const std::string& route) {
   // The index is the kernel's route code (prefill_mma.cu, launch_default).
   static const char* const kRoutes[] = {"auto",     "mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync",
-                                        "wgmma_ws_persistent"};
+                                        "wgmma_ws_persistent", "wgmma_ws3"};
   int code = -1;
-  for (int i = 0; i < 6; ++i)
+  for (int i = 0; i < 7; ++i)
     if (route == kRoutes[i]) code = i;
   TORCH_CHECK_VALUE(code >= 0,
                     "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_ws, wgmma_ws_cpasync, ",
-                    "wgmma_ws_persistent, got \"", route, "\"");
+                    "wgmma_ws_persistent, wgmma_ws3, got \"", route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
