@@ -158,7 +158,8 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     _run_cuda_and_cpu(case)
 
 
-PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3"]
+PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
+                  "wgmma_ws_kv", "wgmma_ws_kv_pipe"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)

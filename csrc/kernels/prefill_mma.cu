@@ -75,7 +75,7 @@ constexpr float kRescaleThreshold = 8.f;
 // has no TMA encoder), so the computing warpgroups never meet at a CTA-wide barrier; the register
 // file is split between them (setmaxnreg). With wgmma, the default on sm90 (launch_default).
 template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1,
-          bool WGMMA_ = false, bool WS_ = false>
+          bool WGMMA_ = false, int WS_ = 0>
 struct Config {
   static constexpr int D = D_;
   static constexpr int kWarps = WARPS_;
@@ -87,7 +87,10 @@ struct Config {
   static constexpr bool kPipe = PIPE_;  // S of tile t+1 issued before P V of tile t
   static constexpr int kSub = SUB_;     // BN-key sub-tiles per shared-memory stage
   static constexpr int kStageKeys = BN_ * SUB_;
-  static constexpr bool kWarpSpecialized = WS_;
+  static constexpr bool kWarpSpecialized = WS_ != 0;
+  // WS_ == 2: K and V of a stage have their own mbarriers, so that K is handed back as soon as
+  // S = Q K^T is done and V after P V (one pair for both: a stage frees only after P V).
+  static constexpr bool kSplitKV = WS_ == 2;
   static constexpr int kConsumerThreads = 32 * WARPS_;  // the warps that compute (all, without WS)
   static constexpr int kLoaderThreads = WS_ ? 128 : kConsumerThreads;
   static constexpr int kThreads = kConsumerThreads + (WS_ ? 128 : 0);
@@ -111,9 +114,10 @@ struct Config {
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
   static_assert(BN % 16 == 0, "BN must be a multiple of 16");
   static_assert((kStageKeys * kChunks) % kLoaderThreads == 0, "every loader copies the same number of chunks");
-  static_assert(!WS_ || (WGMMA_ && (WARPS_ == 8 || WARPS_ == 12) && !PIPE_),
-                "warp specialisation: two or three wgmma warpgroups and a loader");
-  static_assert(!PIPE_ || (SUB_ == 1 && !WGMMA_), "the pipelined order: mma.sync, whole stages");
+  static_assert(!WS_ || (WGMMA_ && (WARPS_ == 8 || WARPS_ == 12) && (!PIPE_ || WS_ == 2)),
+                "warp specialisation: two or three wgmma warpgroups and a loader (pipelined: split K/V)");
+  static_assert(!PIPE_ || (SUB_ == 1 && (!WGMMA_ || WS_ == 2)),
+                "the pipelined order: mma.sync, or wgmma with split K/V stages; whole stages");
   static_assert(kStages >= 2, "at least double buffering");
   static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
                             (D_ == 64 || D_ == 128 || D_ == 256)),
@@ -257,10 +261,12 @@ __device__ __forceinline__ BlockCoords block_coords(const Args& a, int work) {
 // is done with it) and Q tiles (the same, per Q buffer), and each role's count of the stages
 // and Q tiles it has passed (a persistent CTA carries them from block to block).
 struct Pipeline {
-  uint64_t* s_full;
+  uint64_t* s_full;  // with split K/V (Config::kSplitKV): K's
   uint64_t* s_empty;
   uint64_t* q_full;
   uint64_t* q_empty;
+  uint64_t* v_full;  // split K/V only: V's
+  uint64_t* v_empty;
   int ring = 0;    // K/V tiles so far
   int q_ring = 0;  // Q tiles so far
 };
@@ -466,12 +472,86 @@ struct WarpTile {
 
   template <bool kMask, bool kCap>
   __device__ __forceinline__ void tile_wg(uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int n0) {
+    tile_wg<kMask, kCap>(q_tile, k_tile, v_tile, n0, [] {}, [] {});
+  }
+  // The same with hooks: after_s() once S is complete (K is no longer read), before_pv() before
+  // P V is issued (split K/V stages: waits for V).
+  template <bool kMask, bool kCap, class AfterS, class BeforePV>
+  __device__ __forceinline__ void tile_wg(uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int n0,
+                                          AfterS&& after_s, BeforePV&& before_pv) {
     float sc[MT][NT][4];
     uint32_t pa[MT][BN / 16][4];
     float alpha[NR];
     compute_s_wg(sc, q_tile, k_tile);
+    after_s();
     if (softmax<kMask, kCap>(sc, pa, n0, alpha)) rescale(alpha);
+    before_pv();
     pv_wg(pa, v_tile);
+  }
+
+  // The pipelined wgmma order (C::kPipe with split K/V stages): S of the next tile and P V of
+  // this one are issued back to back as two groups, so that the next softmax runs while P V is
+  // on the tensor cores; only the rescale of O waits for P V. P of the next tile goes to other
+  // registers (pn), since those of this tile (pa) are P V's A operand until it completes; the
+  // caller swaps the two arrays from tile to tile. (With one array and a copy after the wait,
+  // ptxas merged the copy into the packing and so sank the exponentials below the P V wait.)
+  // after_s() runs once S of the next tile is complete (its K is no longer read).
+  template <bool kMask, bool kCap, class AfterS>
+  __device__ __forceinline__ void tile_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t (&pn)[MT][BN / 16][4],
+                                               uint32_t q_tile, uint32_t k_next, uint32_t v_cur, int n0_next,
+                                               AfterS&& after_s) {
+    static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
+    constexpr int N = D < 128 ? D : 128;
+    float sc[MT][NT][4];
+    float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
+    float (&oacc)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
+    float (&oh)[D / N][N / 2] = reinterpret_cast<float (&)[D / N][N / 2]>(o);
+    uint32_t (&pflat)[BN / 4] = reinterpret_cast<uint32_t (&)[BN / 4]>(pa);
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    // Every register write to the operands happens before the fence (else ptxas serialises).
+    wg::pin_registers(acc);
+    wg::pin_registers(oacc);
+    wg::pin_registers(pflat);
+    wg::fence_operands();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wg::ss_m64<T, BN>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_next, C::kStageKeys, ks), ks > 0);
+    wg::commit();
+    wg::fence_operands();  // P V is a group of its own, so that S can be waited for alone
+#pragma unroll
+    for (int h = 0; h < D / N; ++h)
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j)
+        wg::rs_m64<T, N>(oh[h], pa[0][j], wg::mn_major(v_cur + h * N * C::kStageKeys * 2, C::kStageKeys, j), 1);
+    wg::commit();
+    wg::wait_pending<1>();  // S is ready; P V may still run
+    wg::pin_registers(acc);
+    after_s();
+    float alpha[NR];
+    const bool rescale_o = softmax<kMask, kCap>(sc, pn, n0_next, alpha);
+    // The softmax must stay above the wait for P V or nothing overlaps: ptxas does not move
+    // arithmetic across the warpgroup barrier (register pins alone did not hold it).
+    wg::pin_registers(reinterpret_cast<uint32_t (&)[BN / 4]>(pn));
+    wg::pin_registers(alpha);
+    wg::pin_registers(m_ref);
+    wg::pin_registers(l_sum);
+    wg::warpgroup_barrier();
+    wg::wait_pending<0>();  // P V done: O and pa are free
+    wg::pin_registers(pflat);  // pa stays live until here (P V reads it asynchronously)
+    wg::pin_registers(oacc);
+    if (rescale_o) rescale(alpha);
+  }
+
+  // The pipelined order's first step: S and softmax of the first tile (P into pa).
+  template <bool kMask, bool kCap, class AfterS>
+  __device__ __forceinline__ void first_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_tile,
+                                                int n0, AfterS&& after_s) {
+    float sc[MT][NT][4];
+    float alpha[NR];
+    compute_s_wg(sc, q_tile, k_tile);
+    after_s();
+    softmax<kMask, kCap>(sc, pa, n0, alpha);  // O is still zero: nothing to rescale
   }
 
   // One whole tile, plain order: S, softmax, rescale, P V.
@@ -702,6 +782,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       else cp_async_wait<0>();
       wg::generic_to_async_proxy();
       wg::mbarrier_arrive(smem_addr(&pipe.s_full[pending % C::kStages]));  // pending: a ring index
+      if constexpr (C::kSplitKV) wg::mbarrier_arrive(smem_addr(&pipe.v_full[pending % C::kStages]));
       pending = -1;
     };
     for (int it = 0; it < n_tiles; ++it) {
@@ -709,25 +790,53 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       const int slot = pipe.ring + it;  // this tile's place in the stage ring
       const int stage = slot % C::kStages;
       const uint32_t full = smem_addr(&pipe.s_full[stage]);
-      if (slot >= C::kStages) wg::mbarrier_wait(smem_addr(&pipe.s_empty[stage]), ((slot / C::kStages) - 1) & 1);
+      // Every loader thread waits for the stage to be free before it arrives on its "full"
+      // barrier (an arrival may not land in the phase still being consumed).
+      const bool reuse = slot >= C::kStages;
+      const uint32_t reuse_parity = ((slot / C::kStages) - 1) & 1;
+      if (reuse) wg::mbarrier_wait(smem_addr(&pipe.s_empty[stage]), reuse_parity);
       const int tile = t_end - 1 - it;
       // TMA only for tiles that lie wholly below `total`: keys past it must read as zeros (a
       // zero weight times a stale NaN is NaN), which only cp.async's zero fill gives.
       if (a.use_tma && (tile + 1) * C::kStageKeys <= total) {
-        if (ld_tid == 0) {
-          wg::mbarrier_arrive_expect_bytes(full, 2 * C::kTileBytes);
-          const uint32_t k_dst = k_base + stage * C::kTileBytes, v_dst = v_base + stage * C::kTileBytes;
+        // One operand (K, or V) of the stage by TMA onto the mbarrier `bar`.
+        auto tma_operand = [&](const CUtensorMap* map, uint32_t dst, uint32_t bar) {
 #pragma unroll
-          for (int cb = 0; cb < D / 64; ++cb) {  // 64-column blocks of the blocked tile
-            const uint32_t off = cb * C::kStageKeys * 128;
-            wg::tma_load_4d(k_dst + off, &a.k_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
-            wg::tma_load_4d(v_dst + off, &a.v_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
+          for (int cb = 0; cb < D / 64; ++cb)  // 64-column blocks of the blocked tile
+            wg::tma_load_4d(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar);
+        };
+        const uint32_t k_dst = k_base + stage * C::kTileBytes, v_dst = v_base + stage * C::kTileBytes;
+        if constexpr (C::kSplitKV) {
+          if (ld_tid == 0) {
+            wg::mbarrier_arrive_expect_bytes(full, C::kTileBytes);
+            tma_operand(&a.k_map, k_dst, full);
+          } else {
+            wg::mbarrier_arrive(full);
+          }
+          const uint32_t v_full = smem_addr(&pipe.v_full[stage]);
+          if (reuse) wg::mbarrier_wait(smem_addr(&pipe.v_empty[stage]), reuse_parity);
+          if (ld_tid == 0) {
+            wg::mbarrier_arrive_expect_bytes(v_full, C::kTileBytes);
+            tma_operand(&a.v_map, v_dst, v_full);
+          } else {
+            wg::mbarrier_arrive(v_full);
           }
         } else {
-          wg::mbarrier_arrive(full);
+          if (ld_tid == 0) {
+            wg::mbarrier_arrive_expect_bytes(full, 2 * C::kTileBytes);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) {
+              const uint32_t off = cb * C::kStageKeys * 128;
+              wg::tma_load_4d(k_dst + off, &a.k_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
+              wg::tma_load_4d(v_dst + off, &a.v_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
+            }
+          } else {
+            wg::mbarrier_arrive(full);
+          }
         }
         announce_pending(false);
       } else {
+        if (C::kSplitKV && reuse) wg::mbarrier_wait(smem_addr(&pipe.v_empty[stage]), reuse_parity);
         load_tile(tile, stage);
         cp_async_commit();
         announce_pending(true);
@@ -819,13 +928,59 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&pipe.s_empty[(ring + it) % C::kStages])); };
       auto k_tile = [&](int it) { return k_base + ((ring + it) % C::kStages) * C::kTileBytes; };
       auto v_tile = [&](int it) { return v_base + ((ring + it) % C::kStages) * C::kTileBytes; };
-      for (int it = 0; it < n_tiles; ++it) {
-        wait_full(it);
-        const int n0 = tile_n0(it);
-        with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
-          w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(q_tile, k_tile(it), v_tile(it), n0);
-        });
-        release(it);
+      // Split K/V stages: s_full / s_empty are K's; V has its own pair.
+      auto wait_v = [&](int it) {
+        wg::mbarrier_wait(smem_addr(&pipe.v_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
+      };
+      auto release_v = [&](int it) { wg::mbarrier_arrive(smem_addr(&pipe.v_empty[(ring + it) % C::kStages])); };
+      if constexpr (C::kSplitKV && C::kPipe) {  // S of tile it + 1 in flight with P V of tile it
+        uint32_t p_even[MT][BN / 16][4], p_odd[MT][BN / 16][4];  // P of the even / odd tiles
+        wait_full(0);
+        {
+          const int n0 = tile_n0(0);
+          with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+            w.template first_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(p_even, q_tile, k_tile(0), n0,
+                                                                                      [&] { release(0); });
+          });
+        }
+        // P V of tile it (P in p_cur) with S and softmax of tile it + 1 (P into p_next).
+        auto step = [&](int it, uint32_t (&p_cur)[MT][BN / 16][4], uint32_t (&p_next)[MT][BN / 16][4]) {
+          wait_v(it);
+          if (it + 1 < n_tiles) {
+            wait_full(it + 1);
+            const int n1 = tile_n0(it + 1);
+            with_mask_and_cap(needs_mask(n1), cap, [&](auto mask, auto softcap) {
+              w.template tile_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(
+                  p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1, [&] { release(it + 1); });
+            });
+          } else {
+            w.pv_wg(p_cur, v_tile(it));
+          }
+          release_v(it);  // every wgmma that read V(it) has completed
+        };
+        for (int it = 0; it < n_tiles; it += 2) {
+          step(it, p_even, p_odd);
+          if (it + 1 < n_tiles) step(it + 1, p_odd, p_even);
+        }
+      } else if constexpr (C::kSplitKV) {  // plain order; K goes back right after S
+        for (int it = 0; it < n_tiles; ++it) {
+          wait_full(it);
+          const int n0 = tile_n0(it);
+          with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+            w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(
+                q_tile, k_tile(it), v_tile(it), n0, [&] { release(it); }, [&] { wait_v(it); });
+          });
+          release_v(it);
+        }
+      } else {
+        for (int it = 0; it < n_tiles; ++it) {
+          wait_full(it);
+          const int n0 = tile_n0(it);
+          with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+            w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(q_tile, k_tile(it), v_tile(it), n0);
+          });
+          release(it);
+        }
       }
       pipe.ring += n_tiles;
     } else if constexpr (!C::kPipe) {
@@ -1004,7 +1159,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   __shared__ uint32_t s_error;
   // WS only: the K/V stage and Q tile mbarriers.
   __shared__ __align__(8) uint64_t s_full[C::kStages], s_empty[C::kStages], q_full[C::kQBuffers],
-      q_empty[C::kQBuffers];
+      q_empty[C::kQBuffers], v_full[C::kSplitKV ? C::kStages : 1], v_empty[C::kSplitKV ? C::kStages : 1];
   if (threadIdx.x == 0) {
     const uint32_t* const word = a.p.error_word;
     s_error = word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(word) : 0u;
@@ -1012,6 +1167,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       for (int s = 0; s < C::kStages; ++s) {
         wg::mbarrier_init(smem_addr(&s_full[s]), C::kLoaderThreads);
         wg::mbarrier_init(smem_addr(&s_empty[s]), C::kConsumerThreads);
+        if constexpr (C::kSplitKV) {
+          wg::mbarrier_init(smem_addr(&v_full[s]), C::kLoaderThreads);
+          wg::mbarrier_init(smem_addr(&v_empty[s]), C::kConsumerThreads);
+        }
       }
       for (int s = 0; s < C::kQBuffers; ++s) {
         wg::mbarrier_init(smem_addr(&q_full[s]), C::kLoaderThreads);
@@ -1021,7 +1180,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   }
   __syncthreads();
   const uint32_t error = s_error;
-  Pipeline pipe{s_full, s_empty, q_full, q_empty};
+  Pipeline pipe{s_full, s_empty, q_full, q_empty, v_full, v_empty};
   if constexpr (C::kWarpSpecialized) {
     const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
     auto block_of_round = [&](int r) {
@@ -1086,6 +1245,16 @@ using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 // D = 256: O alone is 128 registers a thread, so 64-key tiles (S 32 more) and two stages
 // (193 KB of shared memory, room for one Q tile): 467 against 260 TFLOP/s for mma.sync.
 using Cfg256WS = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, true>;
+// Experimental (routes 7 and 8): the same kernels with K and V on separate stage barriers (K back
+// to the loader right after S, V after P V), in the plain order (7) and in the pipelined order
+// (8: S of tile t + 1 in flight during the softmax of tile t; with one barrier pair per stage and
+// two stages, that order left the loader no slack and measured 353 against 465 TFLOP/s; D = 64
+// and 128 only).
+using Cfg64WS3KV = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, 2>;
+using Cfg128WSKV = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, 2>;
+using Cfg256WSKV = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, 2>;
+using Cfg64WSKVP = Config<64, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
+using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
@@ -1228,7 +1397,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024; at padded head size
 // 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head size 64 (at
 // 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
-// removed).
+// removed), 7 and 8 (experimental) as 5 and 6 with split K/V stage barriers, in the plain and
+// the pipelined order.
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1248,6 +1418,17 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
     return dpad == 64 ? launch_config<T, Cfg64W, kSplit>(a, stream) : launch_config<T, Cfg128W, kSplit>(a, stream);
   if constexpr (!kSplit) {
     if (sm90 && route != 2) {
+      if (route == 7) {
+        if (dpad == 64) return launch_ws<T, Cfg64WS3KV>(a, stream, route);
+        if (dpad == 128) return launch_ws<T, Cfg128WSKV>(a, stream, route);
+        if (dpad == 256) return launch_ws<T, Cfg256WSKV>(a, stream, route);
+      }
+      if (route == 8) {
+        if (dpad == 64) return launch_ws<T, Cfg64WSKVP>(a, stream, route);
+        if (dpad == 128) return launch_ws<T, Cfg128WSKVP>(a, stream, route);
+        // D = 256: the pipelined order spills (O alone is 128 registers): route 7's kernel.
+        if (dpad == 256) return launch_ws<T, Cfg256WSKV>(a, stream, route);
+      }
       if (dpad == 64)
         return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);

@@ -76,6 +76,26 @@ __device__ __forceinline__ void wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
+// Waits until at most N committed groups are still running (groups complete in order).
+template <int N>
+__device__ __forceinline__ void wait_pending() {
+#if GQA_WGMMA_ENABLED
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Ties registers to this point of the program: reads after it (and writes before it) cannot be
+// moved across it. Without it the compiler may move arithmetic on an accumulator or an A
+// operand of an MMA still in flight across the wait, and ptxas then serialises the MMAs.
+template <int N>
+__device__ __forceinline__ void pin_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void pin_registers(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 // A barrier of this thread's warpgroup only (named barrier 1 + warpgroup; 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_barrier() {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x >> 7)) : "memory");

@@ -25,14 +25,14 @@ std::atomic<int32_t> g_min_split_keys_override{0};
 
 void set_prefill_route(const std::string& route) {
   // The index is the kernel's route code (prefill_mma.cu, launch_default).
-  static const char* const kRoutes[] = {"auto",     "mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync",
-                                        "wgmma_ws_persistent", "wgmma_ws3"};
+  static const char* const kRoutes[] = {"auto",      "mma",      "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent",
+                                        "wgmma_ws3", "wgmma_ws_kv", "wgmma_ws_kv_pipe"};
   int code = -1;
-  for (int i = 0; i < 7; ++i)
+  for (int i = 0; i < 9; ++i)
     if (route == kRoutes[i]) code = i;
   TORCH_CHECK_VALUE(code >= 0,
                     "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_ws, wgmma_ws_cpasync, ",
-                    "wgmma_ws_persistent, wgmma_ws3, got \"", route, "\"");
+                    "wgmma_ws_persistent, wgmma_ws3, wgmma_ws_kv, wgmma_ws_kv_pipe, got \"", route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
