@@ -196,13 +196,14 @@ def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
     """More query blocks than SMs several times over (3 rows x 2 KV heads x 94 blocks of 128
     packed rows = 564 on 132 SMs): a persistent CTA walks four or five blocks, in both
-    directions of its snake order; in place with ragged pasts, and as a padded first prompt
-    (the padding blocks exit early, between blocks with work); every third feature. The other
-    kernels see the same large grid."""
+    directions of its snake order (at padded head size 256, with one Q tile that each block
+    hands back to the loader); in place with ragged pasts, and as a padded first prompt (the
+    padding blocks exit early, between blocks with work); every third feature. The other
+    kernels see the same large grid. 192 is padded to 256: columns past the head size."""
     for i, feat in enumerate(FEATURE_CYCLE):
         if i % 3:
             continue

@@ -109,6 +109,11 @@ struct Config {
   // WS: the loader stages the next block's Q while the computing warpgroups finish the current
   // one, into a second Q tile where two fit next to the stages (D <= 128); else one.
   static constexpr int kQBuffers = WS_ && 2 * kQBytes + 2 * kStages * kTileBytes + 1024 <= 227 * 1024 ? 2 : 1;
+  // With one Q tile (D = 256), the computing warpgroups give it back as soon as the block's last
+  // S = Q K^T is done, and write O straight from registers (no staging in the Q tile), so that
+  // the loader stages the next block's Q during the last tile's softmax and P V and the
+  // epilogue, not after them (then every block start waited for a Q load).
+  static constexpr bool kEarlyQRelease = WS_ && kQBuffers == 1;
   // wgmma tiles need 1024-byte-aligned swizzle atoms: room to align the dynamic base.
   static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kTileBytes + (WGMMA_ ? 1024 : 0);
   static_assert(D % 64 == 0, "the swizzle needs at least 8 chunks per row");
@@ -760,8 +765,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 
   if constexpr (!computes) {  // the loader warpgroup: the block's Q, then every tile in loop order
     // The Q tile: with two Q buffers first (the computing warpgroups finished its buffer's last
-    // block long ago); with one, after the first stages, since its buffer frees only when the
-    // computing warpgroups finish the previous block.
+    // block long ago); with one, after the first stage, since its buffer frees only when the
+    // computing warpgroups have done the previous block's last S (kEarlyQRelease).
     auto stage_q = [&]() {
       if (q_slot >= C::kQBuffers)
         wg::mbarrier_wait(smem_addr(&pipe.q_empty[q_buffer]), ((q_slot / C::kQBuffers) - 1) & 1);
@@ -771,7 +776,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       wg::generic_to_async_proxy();  // for wgmma, as with the cp.async K/V tiles
       wg::mbarrier_arrive(smem_addr(&pipe.q_full[q_buffer]));
     };
-    const int q_at = C::kQBuffers > 1 ? 0 : min(C::kStages, n_tiles);
+    const int q_at = C::kQBuffers > 1 ? 0 : min(C::kEarlyQRelease ? 1 : C::kStages, n_tiles);
     // A cp.async tile is announced one tile late: each loader waits for its own copies, makes
     // them visible to the async proxy (wgmma) and only then arrives, so that the writer
     // fences, as the memory model asks; meanwhile the next tile is already in flight.
@@ -933,14 +938,22 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         wg::mbarrier_wait(smem_addr(&pipe.v_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
       };
       auto release_v = [&](int it) { wg::mbarrier_arrive(smem_addr(&pipe.v_empty[(ring + it) % C::kStages])); };
+      // One Q tile (kEarlyQRelease): it goes back to the loader once the block's last S is done.
+      auto release_q_after = [&](int it) {
+        if (C::kEarlyQRelease && it == n_tiles - 1) wg::mbarrier_arrive(smem_addr(&pipe.q_empty[q_buffer]));
+      };
       if constexpr (C::kSplitKV && C::kPipe) {  // S of tile it + 1 in flight with P V of tile it
         uint32_t p_even[MT][BN / 16][4], p_odd[MT][BN / 16][4];  // P of the even / odd tiles
         wait_full(0);
         {
           const int n0 = tile_n0(0);
+          auto after_s = [&] {
+            release(0);
+            release_q_after(0);
+          };
           with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
             w.template first_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(p_even, q_tile, k_tile(0), n0,
-                                                                                      [&] { release(0); });
+                                                                                      after_s);
           });
         }
         // P V of tile it (P in p_cur) with S and softmax of tile it + 1 (P into p_next).
@@ -951,7 +964,10 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             const int n1 = tile_n0(it + 1);
             with_mask_and_cap(needs_mask(n1), cap, [&](auto mask, auto softcap) {
               w.template tile_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(
-                  p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1, [&] { release(it + 1); });
+                  p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1, [&] {
+                    release(it + 1);
+                    release_q_after(it + 1);
+                  });
             });
           } else {
             w.pv_wg(p_cur, v_tile(it));
@@ -968,7 +984,12 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           const int n0 = tile_n0(it);
           with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
             w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(
-                q_tile, k_tile(it), v_tile(it), n0, [&] { release(it); }, [&] { wait_v(it); });
+                q_tile, k_tile(it), v_tile(it), n0,
+                [&] {
+                  release(it);
+                  release_q_after(it);
+                },
+                [&] { wait_v(it); });
           });
           release_v(it);
         }
@@ -977,7 +998,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           wait_full(it);
           const int n0 = tile_n0(it);
           with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
-            w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(q_tile, k_tile(it), v_tile(it), n0);
+            w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(
+                q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {});
           });
           release(it);
         }
@@ -1109,6 +1131,32 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       }
     }
 
+    T* const out = static_cast<T*>(p.output) + static_cast<int64_t>(b) * p.output_strides.batch;
+    if constexpr (C::kEarlyQRelease) {
+      // ---- O -> global from registers (the Q tile went back to the loader after the last S) --
+      // Each quad of lanes writes 16 contiguous bytes of a row: half a 32-byte sector.
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = wrow0 + mt * 16 + (lane >> 2) + hh * 8;
+          if (r >= nrows) continue;
+          const int s = r / G, h = kvh * G + (r - s * G);
+          T* const row_out = out + static_cast<int64_t>(s) * p.output_strides.token +
+                             static_cast<int64_t>(h) * p.output_strides.head;
+          const bool valid = r < valid_rows;  // first-prompt padding rows are exactly 0
+          const float fi = f[mt * 2 + hh];
+#pragma unroll
+          for (int d = 0; d < DT; ++d) {
+            const int col = d * 8 + (lane & 3) * 2;
+            if (col < p.head_dim)
+              *reinterpret_cast<uint32_t*>(row_out + col) =
+                  valid ? H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi) : 0u;
+          }
+        }
+      return;
+    }
+
     // ---- O -> this warp's staging rows (the Q rows) -> global, 16-byte stores ------------------
     __syncwarp();
 #pragma unroll
@@ -1124,7 +1172,6 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         }
     __syncwarp();
     {
-      T* const out = static_cast<T*>(p.output) + static_cast<int64_t>(b) * p.output_strides.batch;
 #pragma unroll 4
       for (int i = lane; i < C::kWarpRows * CH; i += 32) {
         const int row = i / CH, c = i % CH;
