@@ -129,6 +129,24 @@ def test_cuda_prefill_sizes(seq, dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_prefill_long(dtype, head_dim):
+    """S = 4096, the benchmark's prompt length (every query block of the causal grid, many per
+    SM): in place on two rows with their own pasts, and as a padded functional first prompt
+    (4096 and 1500 tokens), a different feature set each, against the float64 reference and
+    the CPU backend."""
+    i = list(DTYPES).index(dtype) + 3 * (head_dim == 128)
+    case = make_case("inplace", batch=2, seq=4096, num_heads=8, kv_num_heads=2, head_dim=head_dim,
+                     capacity=4096 + 100, layout=i % 2, dtype=DTYPES[dtype], packed=i % 2 == 1,
+                     **FEATURE_CYCLE[i % len(FEATURE_CYCLE)])
+    _run_cuda_and_cpu(case)
+    case = make_case("functional", batch=2, seq=4096, num_heads=4, kv_num_heads=1, head_dim=head_dim,
+                     capacity=None, first_prompt=True, prompt_lengths=[4096, 1500], layout=1 - i % 2,
+                     dtype=DTYPES[dtype], **FEATURE_CYCLE[(i + 3) % len(FEATURE_CYCLE)])
+    _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("rotary,rotary_dim", [("half", 128), ("half", 16), ("half", 24), ("interleaved", 24),
                                                ("interleaved", 12), ("half", 6)])
 def test_cuda_prep_rope_chunking(dtype, rotary, rotary_dim):
