@@ -1,7 +1,9 @@
 #include "backend.h"
 
 #include <atomic>
+#include <iterator>
 #include <mutex>
+#include <string>
 
 #include "../core/errors.h"
 #include "../core/plan.h"
@@ -28,11 +30,12 @@ void set_prefill_route(const std::string& route) {
   static const char* const kRoutes[] = {"auto",     "mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync",
                                         "wgmma_ws_persistent", "wgmma_ws3"};
   int code = -1;
-  for (int i = 0; i < 7; ++i)
+  std::string names;  // for the message
+  for (int i = 0; i < static_cast<int>(std::size(kRoutes)); ++i) {
     if (route == kRoutes[i]) code = i;
-  TORCH_CHECK_VALUE(code >= 0,
-                    "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_ws, wgmma_ws_cpasync, ",
-                    "wgmma_ws_persistent, wgmma_ws3, got \"", route, "\"");
+    names += (i ? ", " : "") + std::string(kRoutes[i]);
+  }
+  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected one of ", names, ", got \"", route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
