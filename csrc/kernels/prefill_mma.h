@@ -28,12 +28,13 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
 
 // Which variant of the kernel prefill takes (tests and benchmarks pin one):
 //   0 auto: on an sm90 device in an sm90a build, the warp-specialised wgmma kernel with
-//           persistent CTAs (padded head sizes 64, 128, 256) or, for a split key range, the
-//           plain wgmma kernel (64, 128); mma.sync otherwise;
+//           persistent CTAs (route 6's at padded head size 64, route 5's at 128 and 256) or,
+//           for a split key range, the plain wgmma kernel (64, 128); mma.sync otherwise;
 //   1 mma.sync always; 2 the plain wgmma kernel where it can run (64, 128);
 //   3 the warp-specialised kernel, one CTA per query block; 4 the same with cp.async instead
 //   of TMA in its loader (the fallback when the driver has no TMA encoder); 5 the same as 3
-//   with persistent CTAs (auto's choice).
+//   with persistent CTAs; 6 as 5 with three computing warpgroups at padded head size 64 (route
+//   5's kernels elsewhere).
 void set_prefill_route(int route);
 
 }  // namespace cuda

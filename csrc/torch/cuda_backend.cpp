@@ -1,7 +1,9 @@
 #include "backend.h"
 
 #include <atomic>
+#include <iterator>
 #include <mutex>
+#include <string>
 
 #include "../core/errors.h"
 #include "../core/plan.h"
@@ -25,14 +27,15 @@ std::atomic<int32_t> g_min_split_keys_override{0};
 
 void set_prefill_route(const std::string& route) {
   // The index is the kernel's route code (prefill_mma.cu, launch_default).
-  static const char* const kRoutes[] = {"auto",      "mma",      "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent",
-                                        "wgmma_ws3", "wgmma_ws_kv", "wgmma_ws_kv_pipe"};
+  static const char* const kRoutes[] = {"auto",      "mma",        "wgmma",           "wgmma_ws", "wgmma_ws_cpasync",
+                                        "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv", "wgmma_ws_kv_pipe"};
   int code = -1;
-  for (int i = 0; i < 9; ++i)
+  std::string names;  // for the message
+  for (int i = 0; i < static_cast<int>(std::size(kRoutes)); ++i) {
     if (route == kRoutes[i]) code = i;
-  TORCH_CHECK_VALUE(code >= 0,
-                    "gqa: prefill route: expected one of auto, mma, wgmma, wgmma_ws, wgmma_ws_cpasync, ",
-                    "wgmma_ws_persistent, wgmma_ws3, wgmma_ws_kv, wgmma_ws_kv_pipe, got \"", route, "\"");
+    names += (i ? ", " : "") + std::string(kRoutes[i]);
+  }
+  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected one of ", names, ", got \"", route, "\"");
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
