@@ -157,6 +157,16 @@ def test_cuda_prefill_long(dtype, head_dim):
     _run_cuda_and_cpu(case)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_prefill_auto_long_prompt(dtype):
+    """A prompt of 8192 tokens at head size 128: there "auto" takes the pipelined kernel with
+    split K/V barriers (route wgmma_ws_kv_pipe's) on sm90, below it the persistent one; in
+    place, with rotary on a packed input, against the float64 reference and the CPU backend."""
+    case = make_case("inplace", batch=1, seq=8192, num_heads=2, kv_num_heads=1, head_dim=128, capacity=8192 + 64,
+                     dtype=DTYPES[dtype], packed=dtype == "bf16", **FEATURE_CYCLE[1 + (dtype == "bf16")])
+    _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("rotary,rotary_dim", [("half", 128), ("half", 16), ("half", 24), ("interleaved", 24),
                                                ("interleaved", 12), ("half", 6)])
