@@ -159,9 +159,10 @@ def test_cuda_prefill_long(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_cuda_prefill_auto_long_prompt(dtype):
-    """A prompt of 8192 tokens at head size 128: there "auto" takes the pipelined kernel with
-    split K/V barriers (route wgmma_ws_kv_pipe's) on sm90, below it the persistent one; in
-    place, with rotary on a packed input, against the float64 reference and the CPU backend."""
+    """A prompt of 8192 tokens at head size 128: from 4096 tokens "auto" takes the pipelined
+    kernel with split K/V barriers (route wgmma_ws_kv_pipe's) on sm90, below it the persistent
+    one; in place, with rotary on a packed input, against the float64 reference and the CPU
+    backend (test_cuda_prefill_long covers 4096)."""
     case = make_case("inplace", batch=1, seq=8192, num_heads=2, kv_num_heads=1, head_dim=128, capacity=8192 + 64,
                      dtype=DTYPES[dtype], packed=dtype == "bf16", **FEATURE_CYCLE[1 + (dtype == "bf16")])
     _run_cuda_and_cpu(case)

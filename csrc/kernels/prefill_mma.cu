@@ -1453,7 +1453,7 @@ bool launch_ws(Args& a, cudaStream_t stream, int route) {
   return launch_config<T, C>(a, stream, route == 0 || route >= 5);
 }
 
-constexpr int kLongPromptForPipelinedWs = 8192;
+constexpr int kLongPromptForPipelinedWs = 4096;
 
 template <typename T, bool kSplit>
 bool launch_default(Args& a, int dpad, cudaStream_t stream) {
@@ -1472,10 +1472,11 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
         if (dpad == 128) return launch_ws<T, Cfg128WSKV>(a, stream, route);
         if (dpad == 256) return launch_ws<T, Cfg256WSKV>(a, stream, route);
       }
-      // Auto at padded head size 128 takes route 8's kernel for prompts of 8192 tokens or more:
-      // long query blocks, where its overlap of softmax and P V pays (H200, bf16, 32/8 heads:
-      // 564 against 534 TFLOP/s at B=1 L=16384), and not below (459 against 461 at B=2 L=4096,
-      // 267 against 280 at B=8 L=1024), where the blocks' fill and drain weigh more.
+      // Auto at padded head size 128 takes route 8's kernel for prompts of 4096 tokens or more:
+      // long query blocks, where its overlap of softmax and P V pays, and not below, where the
+      // blocks' fill and drain weigh more. H200, bf16, causal, 32/8 heads, interleaved A/B
+      // (benchmarks/ab_prefill_routes.py), route 8 over route 5: 0.94 at B=8 L=1024, 0.98 at
+      // B=4 L=2048, 1.03 at B=2 L=4096, 1.08 at B=1 L=8192, 1.14 at B=1 L=16384.
       if (route == 0 && dpad == 128 && a.p.query_len >= kLongPromptForPipelinedWs)
         return launch_ws<T, Cfg128WSKVP>(a, stream, route);
       if (route == 8) {

@@ -1,0 +1,89 @@
+"""Interleaved A/B timing of prefill kernels (routes), to set `auto`'s thresholds.
+
+bench_prefill.py times each route once, one after another, and the H200's clocks drift by
+several percent over a run (SDPA cuDNN read 528 and 573 TFLOP/s on the same row in two runs).
+Here every route gets its own CUDA graph, and the graphs are replayed in turn, round after
+round, so that drift hits every route alike; the table gives each route's median and its
+ratio to the first route.
+
+    python3 ab_prefill_routes.py --routes wgmma_ws_persistent wgmma_ws_kv_pipe --shapes 2x4096x128 1x8192x128
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import gqa_torch
+from common import capture_graph, progress, sets_for_bytes, warm_up_gpu
+
+HQ, HKV = 32, 8
+DTYPE = torch.bfloat16
+
+
+def parse_shape(text: str):
+    b, length, d = (int(x) for x in text.lower().split("x"))
+    return b, length, d
+
+
+def time_routes(b: int, length: int, d: int, routes, rounds: int):
+    """Median µs per call of the in-place causal op for each route, replays interleaved."""
+    per_set = b * length * (HQ + 2 * HKV) * d * 2 * 2
+    n = sets_for_bytes(per_set, cap=8)
+    qkv = [torch.randn(b, length, (HQ + 2 * HKV) * d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    caches = [(torch.empty(b, HKV, length, d, device="cuda", dtype=DTYPE),
+               torch.empty(b, HKV, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
+    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+
+    def call(i):
+        q, k, v = qkv[i].split([HQ * d, HKV * d, HKV * d], -1)
+        gqa_torch.group_query_attention_(q, k, v, caches[i][0], caches[i][1], seqlens, num_heads=HQ,
+                                         kv_num_heads=HKV)
+
+    calls = max(n, 8)
+    graphs = {}
+    for route in routes:
+        gqa_torch._C._set_prefill_route(route)  # the route is fixed when the graph is captured
+        try:
+            graphs[route] = capture_graph(call, n, calls)
+        finally:
+            gqa_torch._C._set_prefill_route("auto")
+    times = {route: [] for route in routes}
+    for _ in range(rounds):
+        for route, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[route].append(start.elapsed_time(end) * 1000.0 / calls)
+    return {route: statistics.median(t) for route, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routes", nargs="+", default=["auto", "wgmma_ws_persistent", "wgmma_ws_kv_pipe"])
+    parser.add_argument("--shapes", nargs="+", default=["8x1024x128", "4x2048x128", "2x4096x128", "1x8192x128",
+                                                        "1x16384x128"], help="B x L x D, causal, 32/8 heads")
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    warm_up_gpu()
+    print(f"device: {torch.cuda.get_device_name()}, bf16, causal, {HQ}/{HKV} heads, median of {args.rounds} "
+          "interleaved graph replays")
+    print("| B | L | D | " + " | ".join(f"{r} TFLOP/s" for r in args.routes) + " | " +
+          " | ".join(f"{r} / {args.routes[0]}" for r in args.routes[1:]) + " |")
+    print("|---" * (3 + 2 * len(args.routes) - 1) + "|")
+    for shape in args.shapes:
+        b, length, d = parse_shape(shape)
+        progress(f"B={b} L={length} D={d}")
+        us = time_routes(b, length, d, args.routes, args.rounds)
+        flops = 4 * b * HQ * length * length * d / 2
+        tflops = [flops / (us[r] * 1e-6) / 1e12 for r in args.routes]
+        ratios = [us[args.routes[0]] / us[r] for r in args.routes[1:]]
+        print(f"| {b} | {length} | {d} | " + " | ".join(f"{t:.0f}" for t in tflops) + " | " +
+              " | ".join(f"{x:.3f}" for x in ratios) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
