@@ -204,10 +204,11 @@ PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_pers
 
 @pytest.fixture(params=PREFILL_ROUTES)
 def prefill_route(request):
-    """Pins the prefill kernel (the default, "auto", takes wgmma_ws3 for padded head size 64 and
-    wgmma_ws_persistent for 128 and 256 on sm90, else mma), so that every kernel stays tested at
-    every head size. Every route of a test gets the same inputs (seeded from the test id without
-    the route), so the CPU side is computed once for all of them."""
+    """Pins the prefill kernel (the default, "auto", takes wgmma_ws3 for padded head size 64,
+    wgmma_ws_persistent for 128 (wgmma_ws_kv_pipe from 4096 tokens) and 256 on sm90, else
+    mma), so that every kernel stays tested at every head size. Every route of a test gets the
+    same inputs (seeded from the test id without the route), so the CPU side is computed once
+    for all of them."""
     name, _, params = request.node.nodeid.partition("[")
     params = re.sub(rf"(?<=^){re.escape(request.param)}(?=[-\]])|(?<=-){re.escape(request.param)}(?=[-\]])", "*",
                     params, count=1)

@@ -1444,8 +1444,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024; at padded head size
 // 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head size 64 (at
 // 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
-// removed), 7 and 8 (experimental) as 5 and 6 with split K/V stage barriers, in the plain and
-// the pipelined order.
+// removed), 7 and 8 as 5 and 6 with split K/V stage barriers, in the plain and the pipelined
+// order (auto takes 8's kernel at padded head size 128 for prompts of 4096 tokens or more).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1453,6 +1453,7 @@ bool launch_ws(Args& a, cudaStream_t stream, int route) {
   return launch_config<T, C>(a, stream, route == 0 || route >= 5);
 }
 
+// The prompt length from which auto takes the pipelined kernel at padded head size 128.
 constexpr int kLongPromptForPipelinedWs = 4096;
 
 template <typename T, bool kSplit>
