@@ -9,21 +9,26 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
   plan.route = p.query_len == 1 ? Route::kDecode : Route::kPrefill;
 
   if (plan.route == Route::kDecode) {
-    // One CTA per (row, kv head, split); the decode kernel keeps two CTAs resident per SM.
-    // Take as many splits as fit in one such wave (floor, not ceil: a second, nearly empty
-    // wave of full-length CTAs would double the time), so that B=1 still fills every SM; and
-    // at least enough that a full-capacity row splits into chunks of <= 4096 keys, so that a
-    // ragged batch is spread evenly over the SMs instead of waiting on its longest rows.
-    // A split never takes fewer than min_split_keys keys (one 64-key tile), so short rows
-    // use fewer splits (chosen on the device from each row's visible length).
+    // One CTA per (row, kv head, split). Take as many splits as give one CTA per SM (floor,
+    // not ceil: a second, nearly empty wave of full-length CTAs would double the time), so that
+    // B=1 still fills every SM. The split sweep on an H200 (benchmarks/results/
+    // sweep_decode_splits.md) found one CTA per SM as fast as two or faster on the rows where
+    // the two differ (B8 L1024: 19.0 against 20.1 us; B1 L32768: 43.4 against 44.7), and fewer
+    // splits mean less merge work. While every CTA of the call is resident at once (the decode
+    // kernel fits two an SM), the longest row sets the time, so also take enough splits that a
+    // full-capacity row splits into chunks of <= 4096 keys: a ragged batch is then spread
+    // evenly over the SMs. With more CTAs than that, the SMs that finish short rows take the
+    // next ones (B64 L8192, all rows full: one split 516 us, two 536).
     const int64_t base_ctas = static_cast<int64_t>(p.batch) * p.kv_heads;
-    const int64_t slots = 2LL * device.sm_count;
-    int64_t splits = slots / (base_ctas > 0 ? base_ctas : 1);
+    const int64_t sms = device.sm_count > 0 ? device.sm_count : 1;
+    int64_t splits = sms / (base_ctas > 0 ? base_ctas : 1);
     const int64_t by_chunk = (static_cast<int64_t>(p.capacity) + 4095) / 4096;
-    if (splits < by_chunk) splits = by_chunk;
+    if (base_ctas < 2 * sms && splits < by_chunk) splits = by_chunk;
     if (splits < 1) splits = 1;
     if (splits > 128) splits = 128;  // the merge kernel combines at most 128 splits
-    // Never more splits than the capacity can feed.
+    // Never more splits than the capacity can feed. A split never takes fewer than
+    // min_split_keys keys (one 64-key tile), so short rows use fewer splits (chosen on the
+    // device from each row's visible length).
     plan.min_split_keys = 64;
     const int64_t by_capacity = (static_cast<int64_t>(p.capacity) + plan.min_split_keys - 1) / plan.min_split_keys;
     if (splits > by_capacity) splits = by_capacity < 1 ? 1 : by_capacity;

@@ -161,16 +161,34 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
 
   // Q rows (RoPE'd, rounded to T) while the first tiles are in flight; rows >= nh are zero.
+  // In 16-byte units spread over the CTA when the rows and the rotary tables allow it (one
+  // load and one store a unit instead of an element each: the element path was the kernel's
+  // top stall at B=1, each 2-byte shared store waiting on its own global load); else a warp
+  // a row, element by element.
   const int64_t rot_pos = p.do_rotary ? rotary_position(p, g, b, 0) : 0;
   {
     const TokenStrides qs = p.query_strides;
     const T* qsrc = static_cast<const T*>(p.query) + b * qs.batch;
-    for (int r = warp; r < 16; r += Cfg::kWarps) {
-      T* dst = q_s + r * kStride;
-      if (r < nh) {
-        rope_row<T>(p, qsrc + (h0 + r) * qs.head, p.do_rotary, rot_pos, lane, 32, [&](int d, T v) { dst[d] = v; });
-      } else {
-        for (int d = lane; d < D; d += 32) dst[d] = from_f<T>(0.f);
+    constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
+    const bool rows16 = ((reinterpret_cast<uintptr_t>(qsrc) | static_cast<uintptr_t>(qs.head * sizeof(T))) & 15u) == 0;
+    if (rows16 && rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary)) {
+      const int units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);
+      for (int i = tid; i < nh * units; i += Cfg::kThreads) {
+        const int r = i / units;
+        rope_unit_vec<T>(p, qsrc + (h0 + r) * qs.head, q_s + r * kStride, p.do_rotary, rot_pos, i - r * units);
+      }
+      for (int i = nh * (D / kE) + tid; i < 16 * (D / kE); i += Cfg::kThreads) {
+        const int r = i / (D / kE);
+        reinterpret_cast<uint4*>(q_s + r * kStride)[i - r * (D / kE)] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+      for (int r = warp; r < 16; r += Cfg::kWarps) {
+        T* dst = q_s + r * kStride;
+        if (r < nh) {
+          rope_row<T>(p, qsrc + (h0 + r) * qs.head, p.do_rotary, rot_pos, lane, 32, [&](int d, T v) { dst[d] = v; });
+        } else {
+          for (int d = lane; d < D; d += 32) dst[d] = from_f<T>(0.f);
+        }
       }
     }
   }
@@ -364,19 +382,32 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
   __syncthreads();
 
-  for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-    const int row = i / D;
-    const int d = i - row * D;
-    float acc = 0.f;
+  // Four consecutive columns a thread (float4 from the combine buffer, float4 to the partials;
+  // D is a multiple of 16 and the workspace 256-byte aligned).
+  for (int i = tid; i < nh * (D / 4); i += Cfg::kThreads) {
+    const int row = i / (D / 4);
+    const int d = 4 * (i - row * (D / 4));
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int ww = 0; ww < Cfg::kWarps; ++ww) acc += o_s[(ww * 16 + row) * D + d];
+    for (int ww = 0; ww < Cfg::kWarps; ++ww) {
+      const float4 v = *reinterpret_cast<const float4*>(o_s + (ww * 16 + row) * D + d);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
     const float M = fin_m[row];
     const float L = fin_l[row];
     if (active == 1) {
-      out_row[(h0 + row) * os.head + d] = from_f<T>(acc * final_factor(p, h0 + row, M, L));
+      const float f = final_factor(p, h0 + row, M, L);
+      T* dst = out_row + (h0 + row) * os.head + d;
+      dst[0] = from_f<T>(acc.x * f);
+      dst[1] = from_f<T>(acc.y * f);
+      dst[2] = from_f<T>(acc.z * f);
+      dst[3] = from_f<T>(acc.w * f);
     } else {
       const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
-      w.partial_out[slot * D + d] = acc / L;
+      *reinterpret_cast<float4*>(w.partial_out + slot * D + d) = make_float4(acc.x / L, acc.y / L, acc.z / L, acc.w / L);
       if (d == 0) w.partial_lse[slot] = M + log2f(L);
     }
   }
