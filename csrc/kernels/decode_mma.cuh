@@ -236,13 +236,19 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int kw = warp * 16;  // this warp's keys within a tile
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    cp_async_wait<kStages - 2>();
+    // Refill before the wait: once every warp is done with the stage of tile - 1 (the first
+    // barrier), tile + kStages - 1 goes into it, and only then does this thread wait for tile
+    // `tile`, so kStages - 1 tiles stay in flight during the wait instead of kStages - 2 (the
+    // wait at the top of this loop was the bandwidth rows' top stall). The second barrier
+    // makes tile `tile` (each thread waited for its own copies) visible to every warp.
     __syncthreads();
     {
       const int nt = tile + kStages - 1;
       if (nt < ntiles) load_tile(nt, nt % kStages);
       cp_async_commit();
     }
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
     const int stage = tile % kStages;
     T* ks = kv_s + stage * 2 * kTile * kStride;
     T* vs = ks + kTile * kStride;
