@@ -192,7 +192,8 @@ def step_table():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles; slow)")
+    parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=True,
+                        help="time FlexAttention too (the default; it compiles each shape first; --no-flex skips it)")
     parser.add_argument("--only", choices=["decode", "ragged", "step"], default=None)
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"

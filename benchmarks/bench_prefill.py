@@ -209,7 +209,8 @@ def short_chunk_rows():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles; slow)")
+    parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=True,
+                        help="time FlexAttention too (the default; it compiles each shape first; --no-flex skips it)")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)

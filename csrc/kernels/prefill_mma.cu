@@ -460,17 +460,21 @@ struct WarpTile {
     wg::wait_all();
   }
 
-  // D = 256 runs as two n128 halves: columns 128h.. of O are accumulator floats 64h.. (the wgmma
-  // accumulator holds 8-column groups in order) and V's 64-column blocks 2h, 2h + 1.
-  __device__ __forceinline__ void pv_wg(const uint32_t (&pa)[MT][BN / 16][4], uint32_t v_tile) {
+  // Issues O += P V (no fence, commit or wait). D = 256 runs as two n128 halves: columns 128h..
+  // of O are accumulator floats 64h.. (the wgmma accumulator holds 8-column groups in order)
+  // and V's 64-column blocks 2h, 2h + 1.
+  __device__ __forceinline__ void issue_pv_wg(const uint32_t (&pa)[MT][BN / 16][4], uint32_t v_tile) {
     constexpr int N = D < 128 ? D : 128;
     float (&acc)[D / N][N / 2] = reinterpret_cast<float (&)[D / N][N / 2]>(o);
-    wg::fence_operands();
 #pragma unroll
     for (int h = 0; h < D / N; ++h)
 #pragma unroll
       for (int j = 0; j < BN / 16; ++j)
         wg::rs_m64<T, N>(acc[h], pa[0][j], wg::mn_major(v_tile + h * N * C::kStageKeys * 2, C::kStageKeys, j), 1);
+  }
+  __device__ __forceinline__ void pv_wg(const uint32_t (&pa)[MT][BN / 16][4], uint32_t v_tile) {
+    wg::fence_operands();
+    issue_pv_wg(pa, v_tile);
     wg::commit();
     wg::wait_all();
   }
@@ -506,11 +510,9 @@ struct WarpTile {
                                                uint32_t q_tile, uint32_t k_next, uint32_t v_cur, int n0_next,
                                                AfterS&& after_s) {
     static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
-    constexpr int N = D < 128 ? D : 128;
     float sc[MT][NT][4];
     float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
     float (&oacc)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
-    float (&oh)[D / N][N / 2] = reinterpret_cast<float (&)[D / N][N / 2]>(o);
     uint32_t (&pflat)[BN / 4] = reinterpret_cast<uint32_t (&)[BN / 4]>(pa);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
@@ -524,11 +526,7 @@ struct WarpTile {
       wg::ss_m64<T, BN>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_next, C::kStageKeys, ks), ks > 0);
     wg::commit();
     wg::fence_operands();  // P V is a group of its own, so that S can be waited for alone
-#pragma unroll
-    for (int h = 0; h < D / N; ++h)
-#pragma unroll
-      for (int j = 0; j < BN / 16; ++j)
-        wg::rs_m64<T, N>(oh[h], pa[0][j], wg::mn_major(v_cur + h * N * C::kStageKeys * 2, C::kStageKeys, j), 1);
+    issue_pv_wg(pa, v_cur);
     wg::commit();
     wg::wait_pending<1>();  // S is ready; P V may still run
     wg::pin_registers(acc);
