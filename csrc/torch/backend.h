@@ -25,12 +25,10 @@ at::Tensor error_word(int64_t device_index);
 // the plan's value. Process-wide.
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
 
-// Tests and benchmarks: pins the fp16/bf16 prefill kernel to "mma" (mma.sync), "wgmma" (all
-// threads load), "wgmma_ws" (warp-specialised, TMA, one CTA per query block),
-// "wgmma_ws_cpasync" (the same with cp.async, its fallback without a TMA encoder),
-// "wgmma_ws_persistent" (warp-specialised, one CTA per SM walking the blocks), the wgmma ones
-// on sm90 only, or "auto" (the default: wgmma_ws_persistent for padded head sizes 64, 128 and
-// 256 on sm90, else mma). No-op in a CPU-only build.
+// Tests and benchmarks: pins the fp16/bf16 prefill kernel by route name, or "auto" (the
+// default). The names are kRoutes in cuda_backend.cpp (an unknown name's error lists them),
+// their kernels and auto's choices are described in kernels/prefill_mma.h; the wgmma routes
+// run on sm90 only. No-op in a CPU-only build.
 void set_prefill_route(const std::string& route);
 
 // Global debugging switch: every CUDA call checks the error word synchronously.

@@ -13,7 +13,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_synchronous_errors", &gqa::set_synchronous_errors, pybind11::arg("enabled"));
   m.def("synchronous_errors", &gqa::synchronous_errors);
   m.def("_set_prefill_route", &gqa::set_prefill_route, pybind11::arg("route"),
-        "Tests and benchmarks: the fp16/bf16 prefill kernel, \"auto\" (default), \"mma\", \"wgmma\", \"wgmma_ws\", \"wgmma_ws_cpasync\" or \"wgmma_ws_persistent\".");
+        "Tests and benchmarks: pins the fp16/bf16 prefill kernel by route name, or \"auto\" (the "
+        "default); an unknown name's error lists the routes.");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("error_flag_messages", []() {
