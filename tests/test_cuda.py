@@ -293,6 +293,34 @@ def test_cuda_decode(dtype, batch, past, op):
         _run_cuda_and_cpu(case)
 
 
+@pytest.fixture(params=["cp_async", "tma"])
+def decode_loader(request):
+    """Pins the decode kernel's loader (the default, "auto", takes TMA on an sm90 GPU in a 9.0a
+    build at head sizes 64, 128 and 256), so that the cp.async loader stays tested there too."""
+    if request.param == "tma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA decode loader needs an sm90 GPU")
+    if request.param == "tma" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+        pytest.skip("the TMA decode loader needs a build for 9.0a (TORCH_CUDA_ARCH_LIST)")
+    gqa_torch._C._set_decode_loader(request.param)
+    yield request.param
+    gqa_torch._C._set_decode_loader("auto")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("op", ["inplace", "functional"])
+def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader):
+    """Each tensor-core decode loader at every fast head size: rows whose length leaves a short
+    last slice in a warp (1, 15, 17, 63 and 65 keys) and one long enough that every pipeline
+    stage is reused (2000 keys), a group of 20 query heads (two head chunks, so two CTAs read
+    the row the in-place op appends), and every feature."""
+    for i, feat in enumerate(FEATURE_CYCLE):
+        case = make_case(op, batch=6, seq=1, num_heads=[8, 20][i % 2], kv_num_heads=[2, 1][i % 2], head_dim=head_dim,
+                         capacity=2016, past_lengths=[0, 14, 16, 62, 64, 1999], dtype=DTYPES[dtype], layout=i % 2,
+                         **feat)
+        _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("softcap", [1e4, 1e6, 3e38])
 @pytest.mark.parametrize("seq", [1, 64])

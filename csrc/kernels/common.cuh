@@ -1,6 +1,6 @@
 // Shared pieces of the CUDA kernels: dtype conversion, the error word, RoPE on one head row,
-// tensor-core fragments (ldmatrix / mma.sync m16n8k16), cp.async, programmatic dependent
-// launch, and the host-side launch helper. No torch here.
+// tensor-core fragments (ldmatrix / mma.sync m16n8k16), cp.async, sm90 mbarriers,
+// programmatic dependent launch, and the host-side launch helper. No torch here.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -83,6 +83,32 @@ void ensure_smem(size_t bytes, const char* name) {
   }
   if (dev >= 0 && dev < 64) done[dev].store(bytes, std::memory_order_relaxed);
 }
+
+// Whether the build has sm90a code: the wgmma prefill (elsewhere wgmma.cuh traps) and the
+// decode kernel's TMA loader need it on an sm90 device.
+#ifdef GQA_BUILT_SM90A
+constexpr bool kBuiltSm90a = true;
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
+
+// An attribute of the current device, asked once per device (0 when it cannot be asked; no
+// attribute used here is 0 on a real device, so 0 also marks "not asked yet").
+template <cudaDeviceAttr kAttribute>
+int device_attribute() {
+  static std::atomic<int> known[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int v = known[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, kAttribute, dev) != cudaSuccess) v = 0;
+    known[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// Whether the current device is an sm90 part.
+inline bool device_is_sm90() { return device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9; }
 
 // ------------------------------------------------------------------------------------------
 // Device side
@@ -370,6 +396,52 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+
+// ---- sm90: shared-memory mbarriers (no-ops below sm90, never reached there) ----------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GQA_ASYNC_COPY_ENABLED 1
+#else
+#define GQA_ASYNC_COPY_ENABLED 0
+#endif
+// An mbarrier completes a phase when `count` arrivals have happened (and, with expected bytes,
+// when that many bytes of TMA copies have landed); waiters name the phase by its parity (0
+// for the first, then alternating). `bar` is a shared-window address.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// Arrival that also announces `bytes` of TMA data the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+// Generic-proxy accesses to shared memory (st.shared, ld/ldmatrix, cp.async) ordered before
+// later async-proxy ones (wgmma reads, TMA writes).
+__device__ __forceinline__ void generic_to_async_proxy() {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
 }
 
 }  // namespace detail

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "tma.cuh"
 
 namespace gqa {
 namespace cuda {
@@ -24,40 +25,57 @@ namespace detail {
 
 // Four warps and 64-key stages (two warps and 32-key stages for D = 256). A variant with two
 // warps, 32-key stages and 6-8 stages was measured slower on every decode row (H200).
-template <int D>
+// kTma: the stages hold 128-byte-swizzled slices (tma.cuh) instead of padded rows.
+template <int D, bool kTma = false>
 struct DecodeCfg {
   static constexpr int kWarps = D >= 256 ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16 * kWarps;  // keys per pipeline stage: 16 per warp
   static constexpr int kStride = D + 8;  // smem row pitch in elements: +16 B makes ldmatrix conflict-free
-  static constexpr size_t kStageBytes = 2 * kTile * kStride * 2;  // K and V
+  static constexpr size_t kSliceBytes = 16 * D * 2;  // kTma: one warp's 16 keys of K (or V)
+  static constexpr size_t kStageBytes = kTma ? 2 * kWarps * kSliceBytes : 2 * kTile * kStride * 2;  // K and V
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
   static constexpr int kStages = D <= 64 ? 5 : (D <= 96 ? 4 : 3);
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr bool kQInRegs = D <= 128;
   static constexpr size_t kQBytes = 16 * kStride * 2;
   static constexpr size_t kNewBytes = 2 * D * 2;
-  static constexpr size_t kSmem = kQBytes + kStages * kStageBytes + kNewBytes;
+  static constexpr size_t kAlignPad = kTma ? 1024 : 0;  // the swizzled stages start 1024-byte aligned
+  static constexpr size_t kSmem = kQBytes + kAlignPad + kStages * kStageBytes + kNewBytes;
   static_assert(D % 16 == 0, "tensor-core decode needs D % 16 == 0");
+  static_assert(!kTma || D % 64 == 0, "the TMA boxes are 64 columns wide");
   static_assert(kStages >= 3, "pipeline depth");
   static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "combine buffer must fit in the stages");
 };
 
-template <typename T, int D>
+// The K and V cache maps of the TMA loader (unused by the cp.async one).
+struct DecodeCacheMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
+// kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 keys of every tile as TMA
+// boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop;
+// otherwise the CTA copies whole tiles with cp.async between two barriers a tile.
+template <typename T, int D, bool kTma>
 __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
-    decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused) {
-  using Cfg = DecodeCfg<D>;
+    decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
+                      const __grid_constant__ DecodeCacheMaps maps) {
+  using Cfg = DecodeCfg<D, kTma>;
   constexpr int kStride = Cfg::kStride;
   constexpr int kTile = Cfg::kTile;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
   T* q_s = reinterpret_cast<T*>(smem);
-  T* kv_s = reinterpret_cast<T*>(smem + Cfg::kQBytes);
-  T* new_s = reinterpret_cast<T*>(smem + Cfg::kQBytes + kStages * Cfg::kStageBytes);
+  uint8_t* stages = smem + Cfg::kQBytes;
+  if constexpr (kTma) stages += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(stages)) & 1023u)) & 1023u;
+  T* kv_s = reinterpret_cast<T*>(stages);
+  T* new_s = reinterpret_cast<T*>(stages + kStages * Cfg::kStageBytes);
   __shared__ float red_m[Cfg::kWarps][16];
   __shared__ float red_l[Cfg::kWarps][16];
   __shared__ float fin_m[16];
   __shared__ float fin_l[16];
+  __shared__ __align__(8) uint64_t slice_full[kTma ? Cfg::kWarps * kStages : 1];  // [warp][stage]
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -154,10 +172,51 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
   };
 
+  // kTma: lane 0 of each warp loads its 16 keys of K and V, D / 64 boxes each (rows past the
+  // capacity are zero-filled; rows past the split's end but inside the capacity are loaded
+  // and, for V, zeroed after the wait: P is 0 there, and 0 times a stale NaN would be NaN).
+  const int kw = warp * 16;  // this warp's keys within a tile
+  const uint32_t slice_bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
+  auto slice_keys = [&](int tile) { return min(16, k1 - (k0 + tile * kTile + kw)); };  // <= 0: none
+  // 16-byte chunk c of row r (0-15) of this warp's K (or V) slice in a stage.
+  auto slice_chunk = [&](int stage, bool v, int r, int c) -> T* {
+    if constexpr (kTma) {
+      uint8_t* slice = stages + stage * Cfg::kStageBytes + (v ? Cfg::kWarps : 0) * Cfg::kSliceBytes + warp * Cfg::kSliceBytes;
+      return reinterpret_cast<T*>(slice + (c >> 3) * 2048 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+    } else {
+      return kv_s + stage * 2 * kTile * kStride + (v ? kTile * kStride : 0) + (kw + r) * kStride + c * 8;
+    }
+  };
+  auto load_slice = [&](int tile, int stage) {
+    if (lane != 0 || slice_keys(tile) <= 0) return;
+    const uint32_t bar = slice_bars + 8u * stage;
+    mbarrier_arrive_expect_bytes(bar, static_cast<uint32_t>(2 * Cfg::kSliceBytes));
+    const int row = k0 + tile * kTile + kw;
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ntiles) load_tile(s, s);
-    cp_async_commit();
+    for (int cb = 0; cb < D / 64; ++cb) {
+      tma_load_4d(static_cast<uint32_t>(__cvta_generic_to_shared(slice_chunk(stage, false, 0, cb * 8))), &maps.k,
+                  cb * 64, row, kvh, b, bar);
+      tma_load_4d(static_cast<uint32_t>(__cvta_generic_to_shared(slice_chunk(stage, true, 0, cb * 8))), &maps.v,
+                  cb * 64, row, kvh, b, bar);
+    }
+  };
+
+  if constexpr (kTma) {
+    if (lane == 0) {
+      for (int s = 0; s < kStages; ++s) mbarrier_init(slice_bars + 8u * s, 1);
+    }
+    __syncwarp();
+    generic_to_async_proxy();  // the initialised barriers, before the copies complete on them
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < ntiles) load_slice(s, s);
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < ntiles) load_tile(s, s);
+      cp_async_commit();
+    }
   }
 
   // Q rows (RoPE'd, rounded to T) while the first tiles are in flight; rows >= nh are zero.
@@ -233,35 +292,52 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // gave 0 * inf = NaN.
   const float cap_k =
       softcap > 0.f ? copysignf(fminf(fabsf(p.scale) / softcap, 3.4028234663852886e38f), p.scale) : 0.f;
-  const int kw = warp * 16;  // this warp's keys within a tile
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    // Refill before the wait: once every warp is done with the stage of tile - 1 (the first
-    // barrier), tile + kStages - 1 goes into it, and only then does this thread wait for tile
-    // `tile`, so kStages - 1 tiles stay in flight during the wait instead of kStages - 2 (the
-    // wait at the top of this loop was the bandwidth rows' top stall). The second barrier
-    // makes tile `tile` (each thread waited for its own copies) visible to every warp.
-    __syncthreads();
-    {
-      const int nt = tile + kStages - 1;
+    const int nt = tile + kStages - 1;  // the tile that goes into the stage tile - 1 used
+    const int stage = tile % kStages;
+    if constexpr (kTma) {
+      // This warp's slice of tile - 1 is consumed (its ldmatrix reads and any new-key patch or
+      // zeroed rows are this warp's own, ordered before the TMA writes by the proxy fence).
+      if (nt < ntiles) {
+        __syncwarp();
+        generic_to_async_proxy();
+        load_slice(nt, nt % kStages);
+      }
+      const int valid = slice_keys(tile);
+      if (valid <= 0) continue;  // this warp's keys are all past the end
+      mbarrier_wait(slice_bars + 8u * stage, (tile / kStages) & 1);
+      if (valid < 16) {
+        for (int i = lane; i < (16 - valid) * Cfg::kChunks; i += 32) {
+          const int r = valid + i / Cfg::kChunks;
+          *reinterpret_cast<uint4*>(slice_chunk(stage, true, r, i % Cfg::kChunks)) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        __syncwarp();
+      }
+    } else {
+      // Refill before the wait: once every warp is done with the stage of tile - 1 (the first
+      // barrier), tile + kStages - 1 goes into it, and only then does this thread wait for
+      // tile `tile`, so kStages - 1 tiles stay in flight during the wait instead of
+      // kStages - 2. The second barrier makes tile `tile` (each thread waited for its own
+      // copies) visible to every warp.
+      __syncthreads();
       if (nt < ntiles) load_tile(nt, nt % kStages);
       cp_async_commit();
-    }
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
-    const int stage = tile % kStages;
-    T* ks = kv_s + stage * 2 * kTile * kStride;
-    T* vs = ks + kTile * kStride;
-    const int t0 = k0 + tile * kTile;
-    if (owner && g.past >= t0 && g.past < t0 + kTile) {
-      const int r = g.past - t0;
-      for (int d = tid; d < D; d += Cfg::kThreads) {
-        ks[r * kStride + d] = new_s[d];
-        vs[r * kStride + d] = new_s[D + d];
-      }
+      cp_async_wait<kStages - 1>();
       __syncthreads();
     }
+    const int t0 = k0 + tile * kTile;
     if (t0 + kw >= k1) continue;  // this warp's keys are all past the end
+    // The new key replaces the cache row it was copied from (the row this launch writes):
+    // only the warp whose 16 keys hold it reads it.
+    if (owner && g.past >= t0 + kw && g.past < t0 + kw + 16) {
+      const int r = g.past - t0 - kw;
+      for (int d = lane; d < D; d += 32) {
+        slice_chunk(stage, false, r, d >> 3)[d & 7] = new_s[d];
+        slice_chunk(stage, true, r, d >> 3)[d & 7] = new_s[D + d];
+      }
+      __syncwarp();
+    }
 
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -273,7 +349,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
         ldmatrix_x4(a, q_s + (lane & 15) * kStride + kk * 16 + (lane >> 4) * 8);
       }
       uint32_t bk[4];
-      ldmatrix_x4(bk, ks + (kw + (lane >> 4) * 8 + (lane & 7)) * kStride + kk * 16 + ((lane >> 3) & 1) * 8);
+      ldmatrix_x4(bk, slice_chunk(stage, false, (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
       mma16816<T>(sc[0], a, bk[0], bk[1]);
       mma16816<T>(sc[1], a, bk[2], bk[3]);
     }
@@ -338,12 +414,12 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 #pragma unroll
     for (int dn = 0; dn < D / 16; ++dn) {
       uint32_t bv[4];
-      ldmatrix_x4_trans(bv, vs + (kw + ((lane >> 3) & 1) * 8 + (lane & 7)) * kStride + dn * 16 + (lane >> 4) * 8);
+      ldmatrix_x4_trans(bv, slice_chunk(stage, true, ((lane >> 3) & 1) * 8 + (lane & 7), dn * 2 + (lane >> 4)));
       mma16816<T>(o[2 * dn], pa, bv[0], bv[1]);
       mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kTma) cp_async_wait<0>();  // (every TMA load was waited for in the loop)
 
   // ---- merge the warps' states ---------------------------------------------------------
 #pragma unroll
@@ -419,14 +495,31 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
 }
 
+// set_decode_loader (launch.cu): 0 auto (TMA on an sm90 device in an sm90a build, at head
+// sizes 64, 128 and 256), 1 cp.async always, 2 TMA where it can run (as auto).
+extern std::atomic<int> g_decode_loader;
+
 template <typename T, int D>
 void launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
-  using Cfg = DecodeCfg<D>;
-  constexpr auto kernel = decode_mma_kernel<T, D>;
-  ensure_smem<kernel>(Cfg::kSmem, "decode_mma_kernel");
+  DecodeCacheMaps maps{};
+  bool tma = D % 64 == 0 && kBuiltSm90a && g_decode_loader.load(std::memory_order_relaxed) != 1 && device_is_sm90();
+  // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
+  if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
   const int hchunks = (p.group_size + 15) / 16;
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
-  launch_kernel("decode_mma_kernel", kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p, w, fused ? 1 : 0);
+  const dim3 block(DecodeCfg<D>::kThreads);
+  if constexpr (D % 64 == 0) {
+    if (tma) {
+      constexpr auto kernel = decode_mma_kernel<T, D, true>;
+      ensure_smem<kernel>(DecodeCfg<D, true>::kSmem, "decode_mma_kernel");
+      launch_kernel("decode_mma_kernel", kernel, grid, block, DecodeCfg<D, true>::kSmem, stream, p, w, fused ? 1 : 0,
+                    maps);
+      return;
+    }
+  }
+  constexpr auto kernel = decode_mma_kernel<T, D, false>;
+  ensure_smem<kernel>(DecodeCfg<D>::kSmem, "decode_mma_kernel");
+  launch_kernel("decode_mma_kernel", kernel, grid, block, DecodeCfg<D>::kSmem, stream, p, w, fused ? 1 : 0, maps);
 }
 
 template <typename T>

@@ -14,6 +14,12 @@
 namespace gqa {
 namespace cuda {
 
+namespace detail {
+std::atomic<int> g_decode_loader{0};
+}
+
+void set_decode_loader(int loader) { detail::g_decode_loader.store(loader, std::memory_order_relaxed); }
+
 namespace {
 
 bool cache_rows_aligned16(const Params& p) {

@@ -13,5 +13,10 @@ namespace cuda {
 // Throws std::runtime_error on a launch failure.
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
+// Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (TMA onto per-warp
+// mbarriers on an sm90 device in an sm90a build at head sizes 64, 128 and 256, cp.async
+// otherwise), 1 cp.async always, 2 TMA where it can run (as auto).
+void set_decode_loader(int loader);
+
 }  // namespace cuda
 }  // namespace gqa

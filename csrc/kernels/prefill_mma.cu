@@ -50,6 +50,7 @@
 
 #include "../core/errors.h"
 #include "common.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace gqa {
@@ -1303,60 +1304,13 @@ using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
-// The wgmma instructions exist only in an sm90a build (elsewhere wgmma.cuh traps).
-#ifdef GQA_BUILT_SM90A
-constexpr bool kBuiltSm90a = true;
-#else
-constexpr bool kBuiltSm90a = false;
-#endif
-
-// An attribute of the current device, asked once per device (0 when it cannot be asked; no
-// attribute used here is 0 on a real device, so 0 also marks "not asked yet").
-template <cudaDeviceAttr kAttribute>
-int device_attribute() {
-  static std::atomic<int> known[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  int v = known[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, kAttribute, dev) != cudaSuccess) v = 0;
-    known[dev].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
-// Whether the current device is an sm90 part (the wgmma configs are built for sm90a only).
-bool device_is_sm90() { return device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9; }
+using detail::device_attribute;
+using detail::device_is_sm90;
+using detail::kBuiltSm90a;
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-// A TMA map of one cache ([B][Hkv][C][D] in whatever order its strides say) in boxes of 64
-// columns x `box_keys` keys, 128-byte swizzled as the blocked tiles are (wgmma.cuh). False when
-// the driver has no encoder or refuses the layout; the caller then keeps cp.async.
-bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int box_keys) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess)
-      fn = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  if (encode == nullptr) return false;
-  const TokenStrides s = p.cache_strides;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.capacity),
-                              static_cast<cuuint64_t>(p.kv_heads), static_cast<cuuint64_t>(p.batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(s.token) * 2, static_cast<cuuint64_t>(s.head) * 2,
-                                 static_cast<cuuint64_t>(s.batch) * 2};  // bytes, dims 1..3
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_keys), 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type =
-      p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
+using detail::encode_cache_map;
 // Both caches' maps into `a`, in boxes of `box_keys` keys.
 bool encode_cache_maps(Args& a, int box_keys) {
   return encode_cache_map(&a.k_map, a.p.key_cache, a.p, box_keys) &&

@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "tma.cuh"
+
 namespace gqa {
 namespace cuda {
 namespace wg {
@@ -100,49 +102,12 @@ __device__ __forceinline__ void pin_registers(uint32_t (&r)[N]) {
 __device__ __forceinline__ void warpgroup_barrier() {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x >> 7)) : "memory");
 }
-// ---- warp specialisation: shared-memory mbarriers and the register split ---------------------
-// An mbarrier completes a phase when `count` arrivals have happened; waiters name the phase by
-// its parity (0 for the first, then alternating).
-__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
-#if GQA_WGMMA_ENABLED
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-#if GQA_WGMMA_ENABLED
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
-#if GQA_WGMMA_ENABLED
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#endif
-}
-// Arrival that also announces `bytes` of TMA data the phase must wait for.
-__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
-#if GQA_WGMMA_ENABLED
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-#endif
-}
-// TMA: one box of a 4-D tensor map (a __grid_constant__ kernel parameter, by generic address)
-// to shared memory; completes as bytes on the mbarrier.
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map, int c0, int c1, int c2, int c3,
-                                            uint32_t bar) {
-#if GQA_WGMMA_ENABLED
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-#endif
-}
+// ---- warp specialisation: the register split (the mbarriers are in common.cuh) ------------
+using detail::mbarrier_arrive;
+using detail::mbarrier_arrive_expect_bytes;
+using detail::mbarrier_init;
+using detail::mbarrier_wait;
+using detail::tma_load_4d;
 
 // The register split between the loading warpgroup and the computing ones (all four warps of a
 // warpgroup execute it together).
@@ -158,12 +123,7 @@ __device__ __forceinline__ void claim_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
 }
-// Generic-proxy writes to shared memory (st.shared, cp.async) before async-proxy reads (wgmma).
-__device__ __forceinline__ void generic_to_async_proxy() {
-#if GQA_WGMMA_ENABLED
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
+using detail::generic_to_async_proxy;
 
 // The accumulator operand lists of the asm below: 32 or 64 "+f" registers.
 #define GQA_WG_ACC32(d, o) "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7]), "+f"(d[o + 8]), "+f"(d[o + 9]), "+f"(d[o + 10]), "+f"(d[o + 11]), "+f"(d[o + 12]), "+f"(d[o + 13]), "+f"(d[o + 14]), "+f"(d[o + 15]), "+f"(d[o + 16]), "+f"(d[o + 17]), "+f"(d[o + 18]), "+f"(d[o + 19]), "+f"(d[o + 20]), "+f"(d[o + 21]), "+f"(d[o + 22]), "+f"(d[o + 23]), "+f"(d[o + 24]), "+f"(d[o + 25]), "+f"(d[o + 26]), "+f"(d[o + 27]), "+f"(d[o + 28]), "+f"(d[o + 29]), "+f"(d[o + 30]), "+f"(d[o + 31])

@@ -31,6 +31,11 @@ void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
 // run on sm90 only. No-op in a CPU-only build.
 void set_prefill_route(const std::string& route);
 
+// Tests and benchmarks: the tensor-core decode kernel's loader, "auto" (the default: TMA onto
+// per-warp mbarriers on an sm90 device in an sm90a build at head sizes 64, 128 and 256, else
+// cp.async), "cp_async" or "tma" (where it can run). No-op in a CPU-only build.
+void set_decode_loader(const std::string& loader);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

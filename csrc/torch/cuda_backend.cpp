@@ -41,6 +41,19 @@ void set_prefill_route(const std::string& route) {
 #endif
 }
 
+void set_decode_loader(const std::string& loader) {
+  // The index is the kernel's loader code (kernels/launch.h).
+  static const char* const kLoaders[] = {"auto", "cp_async", "tma"};
+  int code = -1;
+  for (int i = 0; i < static_cast<int>(std::size(kLoaders)); ++i) {
+    if (loader == kLoaders[i]) code = i;
+  }
+  TORCH_CHECK_VALUE(code >= 0, "gqa: decode loader: expected one of auto, cp_async, tma, got \"", loader, "\"");
+#ifdef GQA_WITH_CUDA
+  cuda::set_decode_loader(code);
+#endif
+}
+
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),
