@@ -398,7 +398,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-
 // ---- sm90: shared-memory mbarriers (no-ops below sm90, never reached there) ----------------
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GQA_ASYNC_COPY_ENABLED 1

@@ -3,8 +3,9 @@
 // Grid (split, kv head x head chunk, row). One CTA serves up to 16 query heads of one kv head
 // (all G of them when G <= 16), so each K/V byte is read from memory once. The CTA takes keys
 // [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
-// row's length), streams them through a cp.async pipeline of kStages tiles, and each warp
-// multiplies its 16 keys of a tile with mma.sync m16n8k16:
+// row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
+// own 16 keys, on sm90 at head sizes 64/128/256; by cp.async, the whole CTA, elsewhere), and
+// each warp multiplies its 16 keys of a tile with mma.sync m16n8k16:
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
@@ -12,8 +13,9 @@
 //
 // `fused` (in-place op): no prep launch ran. Every CTA checks all rows itself (so a bad row
 // anywhere makes the whole call NaN, as the error word would), the CTA whose range holds the
-// new key writes the new K (after RoPE) and V into the cache and feeds the same values to its
-// own tile, since nothing in this launch may read that cache row.
+// new key writes the new K (after RoPE) and V into the cache and patches the same values into
+// its own tile (the warp whose keys hold it), since nothing in this launch may read that
+// cache row.
 #pragma once
 
 #include "common.cuh"
