@@ -99,8 +99,9 @@ def decode_table(args):
                            ("90% HBM" if kv_bytes >= 1e9 else "1.0x")))
         row["meets_target"] = (row["speedup_vs_best"] >= (1.3 if row["target"] == "1.3x" else 1.0)
                                and (row["pct_of_4_8TBps"] >= 90 or row["target"] != "90% HBM"))
-        progress(f"    ours {t_ours:.1f} us (cp.async loader {t_cp_async:.1f}) | flash {t_flash:.1f} | cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | "
-                 f"{row['speedup_vs_best']:.2f}x best SDPA, {row['TBps']:.2f} TB/s")
+        progress(f"    ours {t_ours:.1f} us (cp.async loader {t_cp_async:.1f}) | flash {t_flash:.1f} | "
+                 f"cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | {row['speedup_vs_best']:.2f}x best SDPA, "
+                 f"{row['TBps']:.2f} TB/s")
         rows.append(row)
         del caches, qs, q_bsh, ks, vs
         torch.cuda.empty_cache()

@@ -25,17 +25,27 @@ std::atomic<int32_t> g_split_override{0};
 std::atomic<int32_t> g_min_split_keys_override{0};
 }
 
+namespace {
+// The index of `name` in `names` (a switch's accepted values); otherwise a ValueError that
+// names the switch and lists them.
+template <size_t N>
+int switch_code(const char* const (&names)[N], const std::string& name, const char* what) {
+  std::string listed;
+  for (size_t i = 0; i < N; ++i) {
+    if (name == names[i]) return static_cast<int>(i);
+    listed += (i ? ", " : "") + std::string(names[i]);
+  }
+  TORCH_CHECK_VALUE(false, "gqa: ", what, ": expected one of ", listed, ", got \"", name, "\"");
+  return -1;  // not reached
+}
+}  // namespace
+
 void set_prefill_route(const std::string& route) {
   // The index is the kernel's route code (prefill_mma.cu, launch_default).
   static const char* const kRoutes[] = {"auto",      "mma",        "wgmma",           "wgmma_ws", "wgmma_ws_cpasync",
                                         "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv", "wgmma_ws_kv_pipe"};
-  int code = -1;
-  std::string names;  // for the message
-  for (int i = 0; i < static_cast<int>(std::size(kRoutes)); ++i) {
-    if (route == kRoutes[i]) code = i;
-    names += (i ? ", " : "") + std::string(kRoutes[i]);
-  }
-  TORCH_CHECK_VALUE(code >= 0, "gqa: prefill route: expected one of ", names, ", got \"", route, "\"");
+  const int code = switch_code(kRoutes, route, "prefill route");
+  (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_route(code);
 #endif
@@ -44,11 +54,8 @@ void set_prefill_route(const std::string& route) {
 void set_decode_loader(const std::string& loader) {
   // The index is the kernel's loader code (kernels/launch.h).
   static const char* const kLoaders[] = {"auto", "cp_async", "tma"};
-  int code = -1;
-  for (int i = 0; i < static_cast<int>(std::size(kLoaders)); ++i) {
-    if (loader == kLoaders[i]) code = i;
-  }
-  TORCH_CHECK_VALUE(code >= 0, "gqa: decode loader: expected one of auto, cp_async, tma, got \"", loader, "\"");
+  const int code = switch_code(kLoaders, loader, "decode loader");
+  (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA
   cuda::set_decode_loader(code);
 #endif
