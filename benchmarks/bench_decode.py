@@ -28,6 +28,8 @@ DECODE_GRID = [  # B, Hq, Hkv, D, L
 ]
 STEP_GRID = [(1, 4096, 1000), (8, 4096, 1000), (8, 32768, 4000), (32, 8192, 8000)]  # B, capacity, length
 DTYPE = torch.bfloat16
+# The decode kernel's loaders timed beside the default ("ours"), one column each.
+LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 
 
 def latency_bound(b, hq, hkv, d, length):
@@ -79,19 +81,21 @@ def decode_table(args):
                                              num_heads=hq, kv_num_heads=hkv)
 
         t_ours = time_graph(ours, n)
-        # The decode kernel's other loader (the default takes TMA on an sm90 GPU in a 9.0a
+        # The decode kernel's other loaders (the default takes TMA on an sm90 GPU in a 9.0a
         # build); the loader is fixed when the graph is captured.
-        gqa_torch._C._set_decode_loader("cp_async")
-        try:
-            t_cp_async = time_graph(ours, n)
-        finally:
-            gqa_torch._C._set_decode_loader("auto")
+        t_loader = {}
+        for loader in LOADER_COLUMNS:
+            gqa_torch._C._set_decode_loader(loader)
+            try:
+                t_loader[loader] = time_graph(ours, n)
+            finally:
+                gqa_torch._C._set_decode_loader("auto")
         ks, vs = [c[0] for c in caches], [c[1] for c in caches]
         t_flash = time_sdpa(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
         t_cudnn = time_sdpa(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
         t_flex = time_flex(qs, ks, vs) if args.flex and kv_bytes < 1e9 else float("nan")
         best = min(t for t in (t_flash, t_cudnn) if t == t)
-        row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, kv_MB=kv_bytes / 1e6, ours_us=t_ours, cp_async_us=t_cp_async,
+        row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, kv_MB=kv_bytes / 1e6, ours_us=t_ours, **{f"{k}_us": t for k, t in t_loader.items()},
                    sdpa_flash_us=t_flash, sdpa_cudnn_us=t_cudnn, flex_us=t_flex,
                    speedup_vs_best=best / t_ours, TBps=kv_bytes / t_ours / 1e6,
                    pct_of_4_8TBps=100 * kv_bytes / t_ours / 1e6 / HBM_DATASHEET_TBS,
@@ -99,7 +103,8 @@ def decode_table(args):
                            ("90% HBM" if kv_bytes >= 1e9 else "1.0x")))
         row["meets_target"] = (row["speedup_vs_best"] >= (1.3 if row["target"] == "1.3x" else 1.0)
                                and (row["pct_of_4_8TBps"] >= 90 or row["target"] != "90% HBM"))
-        progress(f"    ours {t_ours:.1f} us (cp.async loader {t_cp_async:.1f}) | flash {t_flash:.1f} | "
+        others = ", ".join(f"{k} {t:.1f}" for k, t in t_loader.items())
+        progress(f"    ours {t_ours:.1f} us ({others}) | flash {t_flash:.1f} | "
                  f"cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | {row['speedup_vs_best']:.2f}x best SDPA, "
                  f"{row['TBps']:.2f} TB/s")
         rows.append(row)
@@ -215,7 +220,7 @@ def main():
     out = []
     if args.only in (None, "decode"):
         rows = decode_table(args)
-        cols = ["B", "heads", "L", "kv_MB", "ours_us", "cp_async_us", "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],

@@ -293,14 +293,15 @@ def test_cuda_decode(dtype, batch, past, op):
         _run_cuda_and_cpu(case)
 
 
-@pytest.fixture(params=["cp_async", "tma"])
+@pytest.fixture(params=["cp_async", "tma", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", takes TMA on an sm90 GPU in a 9.0a
-    build at head sizes 64, 128 and 256), so that the cp.async loader stays tested there too."""
-    if request.param == "tma" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the TMA decode loader needs an sm90 GPU")
-    if request.param == "tma" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
-        pytest.skip("the TMA decode loader needs a build for 9.0a (TORCH_CUDA_ARCH_LIST)")
+    build at head sizes 64, 128 and 256), so that every loader stays tested there. "regs_k"
+    (K into registers, V by TMA) exists at head sizes 64 and 128; elsewhere it runs as auto."""
+    if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA decode loaders need an sm90 GPU")
+    if request.param != "cp_async" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+        pytest.skip("the TMA decode loaders need a build for 9.0a (TORCH_CUDA_ARCH_LIST)")
     gqa_torch._C._set_decode_loader(request.param)
     yield request.param
     gqa_torch._C._set_decode_loader("auto")

@@ -613,7 +613,7 @@ def test_tuning_switches_name_what_they_expect():
     with pytest.raises(ValueError, match=r'gqa: prefill route: expected .*auto.*mma.*wgmma.*, got "nope"'):
         gqa_torch._C._set_prefill_route("nope")
     gqa_torch._C._set_prefill_route("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode loader: expected one of auto, cp_async, tma, got "nope"'):
+    with pytest.raises(ValueError, match=r'gqa: decode loader: expected one of auto, cp_async, tma, regs_k, got "nope"'):
         gqa_torch._C._set_decode_loader("nope")
     gqa_torch._C._set_decode_loader("auto")
     with pytest.raises(ValueError, match=r"gqa: max_splits: expected 0\.\.128, got 129"):

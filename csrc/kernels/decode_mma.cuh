@@ -25,19 +25,32 @@ namespace gqa {
 namespace cuda {
 namespace detail {
 
+// The loaders (set_decode_loader, launch.h, picks one): the CTA copies whole tiles by cp.async;
+// each warp's lane 0 loads its 16 keys of K and V by TMA; or (kLoadTmaV) V by TMA and K by
+// plain 16-byte loads straight into the mma B fragments. On an H200 a stream staged through
+// shared memory (TMA or cp.async, at any depth, box shape or CTA count) tops out near 4.3 TB/s,
+// plain loads with enough warps near 4.55, and K by loads with V by TMA reached 4.5-4.58 with
+// the decode grid's CTAs and nothing computed (scripts/decode_bw_probe.cu).
+enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2 };
+
 // Four warps and 64-key stages (two warps and 32-key stages for D = 256). A variant with two
 // warps, 32-key stages and 6-8 stages was measured slower on every decode row (H200).
-// kTma: the stages hold 128-byte-swizzled slices (tma.cuh) instead of padded rows.
-template <int D, bool kTma = false>
+// kTma: the stages hold 128-byte-swizzled slices (tma.cuh) instead of padded rows; kRegK: of V
+// only, and more of them in the same bytes.
+template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
+  static constexpr bool kTma = kLoader != kLoadCpAsync;
+  static constexpr bool kRegK = kLoader == kLoadTmaV;
   static constexpr int kWarps = D >= 256 ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16 * kWarps;  // keys per pipeline stage: 16 per warp
   static constexpr int kStride = D + 8;  // smem row pitch in elements: +16 B makes ldmatrix conflict-free
   static constexpr size_t kSliceBytes = 16 * D * 2;  // kTma: one warp's 16 keys of K (or V)
-  static constexpr size_t kStageBytes = kTma ? 2 * kWarps * kSliceBytes : 2 * kTile * kStride * 2;  // K and V
+  static constexpr size_t kStageBytes =
+      kTma ? (kRegK ? 1 : 2) * kWarps * kSliceBytes : 2 * kTile * kStride * 2;  // K (unless kRegK) and V
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
-  static constexpr int kStages = D <= 64 ? 5 : (D <= 96 ? 4 : 3);
+  static constexpr int kStages = kRegK ? (D <= 64 ? 8 : 5) : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
+  static constexpr int kKChunks = kRegK ? D / 32 : 1;  // kRegK: 16-byte K chunks a lane holds a key
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr bool kQInRegs = D <= 128;
   static constexpr size_t kQBytes = 16 * kStride * 2;
@@ -46,6 +59,7 @@ struct DecodeCfg {
   static constexpr size_t kSmem = kQBytes + kAlignPad + kStages * kStageBytes + kNewBytes;
   static_assert(D % 16 == 0, "tensor-core decode needs D % 16 == 0");
   static_assert(!kTma || D % 64 == 0, "the TMA boxes are 64 columns wide");
+  static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
   static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "combine buffer must fit in the stages");
 };
@@ -59,11 +73,14 @@ struct DecodeCacheMaps {
 // kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 keys of every tile as TMA
 // boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop;
 // otherwise the CTA copies whole tiles with cp.async between two barriers a tile.
-template <typename T, int D, bool kTma>
+template <typename T, int D, int kLoader>
 __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
                       const __grid_constant__ DecodeCacheMaps maps) {
-  using Cfg = DecodeCfg<D, kTma>;
+  using Cfg = DecodeCfg<D, kLoader>;
+  constexpr bool kTma = Cfg::kTma;
+  constexpr bool kRegK = Cfg::kRegK;
+  constexpr int kKU = Cfg::kKChunks;
   constexpr int kStride = Cfg::kStride;
   constexpr int kTile = Cfg::kTile;
   constexpr int kStages = Cfg::kStages;
@@ -183,7 +200,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // 16-byte chunk c of row r (0-15) of this warp's K (or V) slice in a stage.
   auto slice_chunk = [&](int stage, bool v, int r, int c) -> T* {
     if constexpr (kTma) {
-      uint8_t* slice = stages + stage * Cfg::kStageBytes + (v ? Cfg::kWarps : 0) * Cfg::kSliceBytes + warp * Cfg::kSliceBytes;
+      uint8_t* slice = stages + stage * Cfg::kStageBytes + (v && !kRegK ? Cfg::kWarps : 0) * Cfg::kSliceBytes +
+                       warp * Cfg::kSliceBytes;
       return reinterpret_cast<T*>(slice + (c >> 3) * 2048 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
     } else {
       return kv_s + stage * 2 * kTile * kStride + (v ? kTile * kStride : 0) + (kw + r) * kStride + c * 8;
@@ -192,14 +210,36 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   auto load_slice = [&](int tile, int stage) {
     if (lane != 0 || slice_keys(tile) <= 0) return;
     const uint32_t bar = slice_bars + 8u * stage;
-    mbarrier_arrive_expect_bytes(bar, static_cast<uint32_t>(2 * Cfg::kSliceBytes));
+    mbarrier_arrive_expect_bytes(bar, static_cast<uint32_t>((kRegK ? 1 : 2) * Cfg::kSliceBytes));
     const int row = k0 + tile * kTile + kw;
 #pragma unroll
     for (int cb = 0; cb < D / 64; ++cb) {
-      tma_load_4d(static_cast<uint32_t>(__cvta_generic_to_shared(slice_chunk(stage, false, 0, cb * 8))), &maps.k,
-                  cb * 64, row, kvh, b, bar);
+      if constexpr (!kRegK) {
+        tma_load_4d(static_cast<uint32_t>(__cvta_generic_to_shared(slice_chunk(stage, false, 0, cb * 8))), &maps.k,
+                    cb * 64, row, kvh, b, bar);
+      }
       tma_load_4d(static_cast<uint32_t>(__cvta_generic_to_shared(slice_chunk(stage, true, 0, cb * 8))), &maps.v,
                   cb * 64, row, kvh, b, bar);
+    }
+  };
+
+  // kRegK: K goes from memory straight into the mma B fragments of S = Q K^T. The dot product
+  // over d does not care about the order of d, so lane q = lane % 4 of key group row lane / 4
+  // takes the physical columns u * 32 + q * 8 + (0..7), u < D / 32 (one 16-byte load each, and a
+  // warp's load covers 64 contiguous bytes of each of 8 keys), and Q's fragments take the same
+  // order: logical column 16 s + 2 q + (j & 1) + 8 (j >> 1) of k-step s is physical column
+  // (s >> 1) * 32 + q * 8 + (s & 1) * 4 + j. Keys past the split's end load as zeros (never
+  // past the capacity); the new key is patched into the registers after the load.
+  const T* k_lane = kbase + (lane & 3) * 8;
+  auto load_k = [&](int tile, uint4 (&kr)[2][kKU]) {
+    const int key0 = k0 + tile * kTile + kw + (lane >> 2);
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      const int key = key0 + grp * 8;
+      const bool ok = key < k1;
+      const uint4* src = reinterpret_cast<const uint4*>(k_lane + static_cast<int64_t>(ok ? key : k0) * cs.token);
+#pragma unroll
+      for (int u = 0; u < kKU; ++u) kr[grp][u] = ok ? __ldcs(src + u * 4) : make_uint4(0u, 0u, 0u, 0u);
     }
   };
 
@@ -277,7 +317,16 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   __syncthreads();
 
   uint32_t qa[Cfg::kQInRegs ? D / 16 : 1][4];
-  if constexpr (Cfg::kQInRegs) {
+  if constexpr (kRegK) {  // in the K fragments' column order (load_k)
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const T* q0 = q_s + (lane >> 2) * kStride + (kk >> 1) * 32 + (lane & 3) * 8 + (kk & 1) * 4;
+      qa[kk][0] = *reinterpret_cast<const uint32_t*>(q0);
+      qa[kk][1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * kStride);
+      qa[kk][2] = *reinterpret_cast<const uint32_t*>(q0 + 2);
+      qa[kk][3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * kStride + 2);
+    }
+  } else if constexpr (Cfg::kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[kk], q_s + (lane & 15) * kStride + kk * 16 + (lane >> 4) * 8);
   }
@@ -295,7 +344,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const float cap_k =
       softcap > 0.f ? copysignf(fminf(fabsf(p.scale) / softcap, 3.4028234663852886e38f), p.scale) : 0.f;
 
-  for (int tile = 0; tile < ntiles; ++tile) {
+  // One tile of this warp; kRegK: K of this tile is in kc, and the next tile's goes into kn.
+  auto tile_step = [&](const int tile, uint4 (&kc)[2][kKU], uint4 (&kn)[2][kKU]) {
     const int nt = tile + kStages - 1;  // the tile that goes into the stage tile - 1 used
     const int stage = tile % kStages;
     if constexpr (kTma) {
@@ -306,8 +356,11 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
         generic_to_async_proxy();
         load_slice(nt, nt % kStages);
       }
+      if constexpr (kRegK) {
+        if (tile + 1 < ntiles) load_k(tile + 1, kn);
+      }
       const int valid = slice_keys(tile);
-      if (valid <= 0) continue;  // this warp's keys are all past the end
+      if (valid <= 0) return;  // this warp's keys are all past the end
       mbarrier_wait(slice_bars + 8u * stage, (tile / kStages) & 1);
       if (valid < 16) {
         for (int i = lane; i < (16 - valid) * Cfg::kChunks; i += 32) {
@@ -329,21 +382,41 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       __syncthreads();
     }
     const int t0 = k0 + tile * kTile;
-    if (t0 + kw >= k1) continue;  // this warp's keys are all past the end
+    if (t0 + kw >= k1) return;  // this warp's keys are all past the end
     // The new key replaces the cache row it was copied from (the row this launch writes):
     // only the warp whose 16 keys hold it reads it.
     if (owner && g.past >= t0 + kw && g.past < t0 + kw + 16) {
       const int r = g.past - t0 - kw;
+      if constexpr (kRegK) {
+        if ((lane >> 2) == (r & 7)) {  // the four lanes that hold key r (load_k's order)
+          const uint4* nk = reinterpret_cast<const uint4*>(new_s) + (lane & 3);
+#pragma unroll
+          for (int u = 0; u < kKU; ++u) {
+            if (r < 8) kc[0][u] = nk[u * 4];
+            else kc[1][u] = nk[u * 4];
+          }
+        }
+      }
       for (int d = lane; d < D; d += 32) {
-        slice_chunk(stage, false, r, d >> 3)[d & 7] = new_s[d];
+        if constexpr (!kRegK) slice_chunk(stage, false, r, d >> 3)[d & 7] = new_s[d];
         slice_chunk(stage, true, r, d >> 3)[d & 7] = new_s[D + d];
       }
       __syncwarp();
     }
 
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    if constexpr (kRegK) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int grp = 0; grp < 2; ++grp) {
+          const uint4& c = kc[grp][kk >> 1];
+          mma16816<T>(sc[grp], qa[kk], (kk & 1) ? c.z : c.x, (kk & 1) ? c.w : c.y);
+        }
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < (kRegK ? 0 : D / 16); ++kk) {
       uint32_t a[4];
       if constexpr (Cfg::kQInRegs) {
         a[0] = qa[kk][0]; a[1] = qa[kk][1]; a[2] = qa[kk][2]; a[3] = qa[kk][3];
@@ -420,6 +493,17 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       mma16816<T>(o[2 * dn], pa, bv[0], bv[1]);
       mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
     }
+  };
+  uint4 k_even[2][kKU], k_odd[2][kKU];  // kRegK: K of the even / odd tiles (unused otherwise)
+  if constexpr (kRegK) {
+    load_k(0, k_even);
+    // Two tiles a step, so that the K registers alternate without copies.
+    for (int tile = 0; tile < ntiles; tile += 2) {
+      tile_step(tile, k_even, k_odd);
+      if (tile + 1 < ntiles) tile_step(tile + 1, k_odd, k_even);
+    }
+  } else {
+    for (int tile = 0; tile < ntiles; ++tile) tile_step(tile, k_even, k_odd);
   }
   if constexpr (!kTma) cp_async_wait<0>();  // (every TMA load was waited for in the loop)
 
@@ -498,30 +582,34 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 }
 
 // set_decode_loader (launch.cu): 0 auto (TMA on an sm90 device in an sm90a build, at head
-// sizes 64, 128 and 256), 1 cp.async always, 2 TMA where it can run (as auto).
+// sizes 64, 128 and 256), 1 cp.async always, 2 TMA where it can run (as auto), 3 K by plain
+// loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
+
+template <typename T, int D, int kLoader>
+void launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
+  const int hchunks = (p.group_size + 15) / 16;
+  const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
+  constexpr auto kernel = decode_mma_kernel<T, D, kLoader>;
+  constexpr size_t smem = DecodeCfg<D, kLoader>::kSmem;
+  ensure_smem<kernel>(smem, "decode_mma_kernel");
+  launch_kernel("decode_mma_kernel", kernel, grid, dim3(DecodeCfg<D>::kThreads), smem, stream, p, w, fused ? 1 : 0, maps);
+}
 
 template <typename T, int D>
 void launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   DecodeCacheMaps maps{};
-  bool tma = D % 64 == 0 && kBuiltSm90a && g_decode_loader.load(std::memory_order_relaxed) != 1 && device_is_sm90();
+  const int pinned = g_decode_loader.load(std::memory_order_relaxed);
+  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
   if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
-  const int hchunks = (p.group_size + 15) / 16;
-  const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
-  const dim3 block(DecodeCfg<D>::kThreads);
-  if constexpr (D % 64 == 0) {
-    if (tma) {
-      constexpr auto kernel = decode_mma_kernel<T, D, true>;
-      ensure_smem<kernel>(DecodeCfg<D, true>::kSmem, "decode_mma_kernel");
-      launch_kernel("decode_mma_kernel", kernel, grid, block, DecodeCfg<D, true>::kSmem, stream, p, w, fused ? 1 : 0,
-                    maps);
-      return;
-    }
+  if constexpr (D == 64 || D == 128) {
+    if (tma && pinned == 3) return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
-  constexpr auto kernel = decode_mma_kernel<T, D, false>;
-  ensure_smem<kernel>(DecodeCfg<D>::kSmem, "decode_mma_kernel");
-  launch_kernel("decode_mma_kernel", kernel, grid, block, DecodeCfg<D>::kSmem, stream, p, w, fused ? 1 : 0, maps);
+  if constexpr (D % 64 == 0) {
+    if (tma) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
+  }
+  launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
 }
 
 template <typename T>

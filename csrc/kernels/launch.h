@@ -15,7 +15,8 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (TMA onto per-warp
 // mbarriers on an sm90 device in an sm90a build at head sizes 64, 128 and 256, cp.async
-// otherwise), 1 cp.async always, 2 TMA where it can run (as auto).
+// otherwise), 1 cp.async always, 2 TMA where it can run (as auto), 3 ("regs_k") K by plain
+// loads into the mma fragments and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
 
 }  // namespace cuda
