@@ -7,6 +7,7 @@ round, so that drift hits every route alike; the table gives each route's median
 ratio to the first route.
 
     python3 ab_prefill_routes.py --routes wgmma_ws_persistent wgmma_ws_kv_pipe --shapes 2x4096x128 1x8192x128
+    python3 ab_prefill_routes.py --routes wgmma_ws_persistent wgmma_ws_bn80 --shapes 2x4096x256 1x8192x256
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 
 For a few plain causal prefills (bf16 and fp16, D = 64, 128 and 256), runs the in-place op
 with each wgmma route (plain, warp-specialised with TMA or cp.async, persistent, three
-computing warpgroups, split K/V barriers in the plain and the pipelined order) and with the
+computing warpgroups, split K/V barriers in the plain and the pipelined order, 80-key tiles at
+D = 256) and with the
 mma.sync kernel on the same inputs and prints the largest difference, then, when they differ, where:
 the error averaged per block of 8 output columns and per 8 query rows of a 64-row warpgroup
 tile. A wrong descriptor or fragment layout shows up as a pattern (whole column blocks, every
@@ -64,7 +65,7 @@ def main() -> int:
                 v = torch.randn(1, s, d, device="cuda", dtype=dtype)
                 ref = run(q, k, v, s + 8, "mma").float()
                 for route in ("wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
-                              "wgmma_ws_kv", "wgmma_ws_kv_pipe"):
+                              "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80"):
                     out = run(q, k, v, s + 8, route).float()
                     diff = (out - ref).abs()
                     rel = (diff.max() / ref.abs().max()).item()

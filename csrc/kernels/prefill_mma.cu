@@ -125,9 +125,15 @@ struct Config {
   static_assert(!PIPE_ || (SUB_ == 1 && (!WGMMA_ || WS_ == 2)),
                 "the pipelined order: mma.sync, or wgmma with split K/V stages; whole stages");
   static_assert(kStages >= 2, "at least double buffering");
-  static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 128) && SUB_ == 1 && !QREGS_ && WARPS_ % 4 == 0 &&
-                            (D_ == 64 || D_ == 128 || D_ == 256)),
-                "wgmma: warpgroups of 64 rows, 64- or 128-key tiles, D = 64, 128 or 256");
+  // 80-key tiles (route 10, D = 256): S is one m64n80 wgmma, P V five k16 steps; a blocked tile
+  // of 80 rows is 10 whole 8-row atoms a column block (10 KB, so every atom stays 1024-byte
+  // aligned), and the TMA box of 80 keys is within its 256-row limit. Nothing else in the
+  // kernel takes BN for a power of two: tile indices are divisions by kStageKeys, and the
+  // masks compare key indices (a 128-row block's edges need not fall on tile edges).
+  static_assert(!WGMMA_ || (MT_ == 1 && (BN_ == 64 || BN_ == 80 || BN_ == 128) && SUB_ == 1 && !QREGS_ &&
+                            WARPS_ % 4 == 0 && (D_ == 64 || D_ == 128 || D_ == 256)),
+                "wgmma: warpgroups of 64 rows, 64-, 80- or 128-key tiles, D = 64, 128 or 256");
+  static_assert(!WGMMA_ || kSmemBytes <= 227 * 1024, "the shared memory of one CTA on sm90");
 };
 
 // Everything the kernel reads, passed by value as one __grid_constant__ parameter.
@@ -1301,6 +1307,14 @@ using Cfg128WSKV = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, 2>;
 using Cfg256WSKV = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, 2>;
 using Cfg64WSKVP = Config<64, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
+// Experimental (route 10, D = 256 only): Cfg256WS with 80-key tiles, so that each tile's fixed
+// costs (the full-barrier wait, the row max / sum shuffles and the rescale vote, the mask
+// choice) spread over 25% more keys. Two stages of 80 keys are 160 KB, with the 64 KB Q tile
+// and the alignment 225 KB of the 227 KB (96 keys would need 257 KB); S is 40 registers a
+// thread (P 20) next to O's 128. One barrier pair per stage (WS = 1), as route 5: with split
+// K/V barriers (route 7) D = 256 measured within 1% of route 5, and keeping the route 5
+// kernel otherwise unchanged lets an A/B of routes 5 and 10 measure the tile size alone.
+using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 
@@ -1397,7 +1411,9 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head size 64 (at
 // 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
 // removed), 7 and 8 as 5 and 6 with split K/V stage barriers, in the plain and the pipelined
-// order (auto takes 8's kernel at padded head size 128 for prompts of 4096 tokens or more).
+// order (auto takes 8's kernel at padded head size 128 for prompts of 4096 tokens or more), 9
+// not taken on this branch (free for a parallel branch), 10 experimental: as 5 with 80-key
+// tiles at padded head size 256 (Cfg256WS80), route 5's kernels at 64 and 128.
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1438,6 +1454,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
         // D = 256: the pipelined order spills (O alone is 128 registers): route 7's kernel.
         if (dpad == 256) return launch_ws<T, Cfg256WSKV>(a, stream, route);
       }
+      // Route 10's 80-key tiles exist at D = 256 only; at 64 and 128 it takes route 5's kernels below.
+      if (route == 10 && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
       if (dpad == 64)
         return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);

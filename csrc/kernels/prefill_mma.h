@@ -37,7 +37,9 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
 //   with persistent CTAs; 6 as 5 with three computing warpgroups at padded head size 64 (route
 //   5's kernels elsewhere); 7 as 5 (6 at 64) with separate K and V stage barriers; 8 as 7 in
 //   the pipelined order (the softmax of one tile overlaps P V of the previous; at 256 route
-//   7's kernel, since the pipelined one spills there).
+//   7's kernel, since the pipelined one spills there); 9 not taken on this branch; 10
+//   (experimental) as 5 with 80-key K/V tiles at padded head size 256 (route 5's kernels at 64
+//   and 128).
 void set_prefill_route(int route);
 
 }  // namespace cuda

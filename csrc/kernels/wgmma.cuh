@@ -1,6 +1,7 @@
 // Hopper warpgroup MMA (wgmma, sm90a) for the prefill kernel: shared-memory matrix
 // descriptors for 128-byte-swizzled tiles, the async-proxy fences, and the three shapes the
-// prefill uses: S[64 x 64] = Q K^T (both operands in shared memory, K-major), and
+// prefill uses: S[64 x N] = Q K^T (N = 64, 80 or 128 keys; both operands in shared memory,
+// K-major), and
 // O[64 x D] += P V (P from registers in the mma.sync A-fragment layout, V in shared memory
 // stored [keys][D], i.e. MN-major, transposed on the fly), N = 64 or 128 (D = 256 is two
 // n128 products).
@@ -128,17 +129,28 @@ using detail::generic_to_async_proxy;
 // The accumulator operand lists of the asm below: 32 or 64 "+f" registers.
 #define GQA_WG_ACC32(d, o) "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7]), "+f"(d[o + 8]), "+f"(d[o + 9]), "+f"(d[o + 10]), "+f"(d[o + 11]), "+f"(d[o + 12]), "+f"(d[o + 13]), "+f"(d[o + 14]), "+f"(d[o + 15]), "+f"(d[o + 16]), "+f"(d[o + 17]), "+f"(d[o + 18]), "+f"(d[o + 19]), "+f"(d[o + 20]), "+f"(d[o + 21]), "+f"(d[o + 22]), "+f"(d[o + 23]), "+f"(d[o + 24]), "+f"(d[o + 25]), "+f"(d[o + 26]), "+f"(d[o + 27]), "+f"(d[o + 28]), "+f"(d[o + 29]), "+f"(d[o + 30]), "+f"(d[o + 31])
 #define GQA_WG_ACC64(d) GQA_WG_ACC32(d, 0), GQA_WG_ACC32(d, 32)
+// 40 (m64n80, the 80-key tiles of route 10): 32 and 8 more.
+#define GQA_WG_ACC40(d) GQA_WG_ACC32(d, 0), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
 
-// One k-step (16) of D[64 x N] (f32) += A[64 x 16] B[16 x N], N = 64 or 128; `accumulate` = 0
+// One k-step (16) of D[64 x N] (f32) += A[64 x 16] B[16 x N], N = 64 or 128 (SS also 80: S of an
+// 80-key tile; its B is 10 8-row atoms, 1024 bytes apart as always); `accumulate` = 0
 // overwrites D. SS: A and B from shared memory (K-major descriptors; S = Q K^T). RS: A from
 // registers in the mma.sync A-fragment layout, B MN-major with the transpose bit (P V, V stored
 // [keys][D]). T (__half or __nv_bfloat16) picks the input type.
 template <typename T, int N>
 __device__ __forceinline__ void ss_m64(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  static_assert(N == 64 || N == 128, "m64n64 or m64n128");
+  static_assert(N == 64 || N == 80 || N == 128, "m64n64, m64n80 or m64n128");
 #if GQA_WGMMA_ENABLED
   constexpr bool kHalf = std::is_same<T, __half>::value;
-  if constexpr (N == 64 && kHalf) {
+  if constexpr (N == 80 && kHalf) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+                 : GQA_WG_ACC40(d) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else if constexpr (N == 80) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+                 : GQA_WG_ACC40(d) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else if constexpr (N == 64 && kHalf) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : GQA_WG_ACC32(d, 0) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
@@ -187,6 +199,7 @@ __device__ __forceinline__ void rs_m64(float (&d)[N / 2], const uint32_t (&a)[4]
 #endif
 }
 
+#undef GQA_WG_ACC40
 #undef GQA_WG_ACC64
 #undef GQA_WG_ACC32
 
