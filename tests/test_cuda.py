@@ -205,10 +205,10 @@ PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_pers
 @pytest.fixture(params=PREFILL_ROUTES)
 def prefill_route(request):
     """Pins the prefill kernel (the default, "auto", takes wgmma_ws3 for padded head size 64,
-    wgmma_ws_persistent for 128 (wgmma_ws_kv_pipe from 4096 tokens) and 256 on sm90, else
-    mma), so that every kernel stays tested at every head size; wgmma_ws_bn80 has a kernel of
-    its own (80-key tiles) at padded head size 256 only (head sizes 192 and 256 here), route
-    wgmma_ws_persistent's below. Every route of a test gets the same inputs (seeded from the
+    wgmma_ws_persistent for 128 (wgmma_ws_kv_pipe from 4096 tokens) and wgmma_ws_bn80 for 256
+    on sm90, else mma), so that every kernel stays tested at every head size; wgmma_ws_bn80 has
+    a kernel of its own (80-key tiles) at padded head size 256 only (head sizes 192 and 256
+    here), route wgmma_ws_persistent's below. Every route of a test gets the same inputs (seeded from the
     test id without the route), so the CPU side is computed once for all of them."""
     name, _, params = request.node.nodeid.partition("[")
     params = re.sub(rf"(?<=^){re.escape(request.param)}(?=[-\]])|(?<=-){re.escape(request.param)}(?=[-\]])", "*",

@@ -344,8 +344,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const float cap_k =
       softcap > 0.f ? copysignf(fminf(fabsf(p.scale) / softcap, 3.4028234663852886e38f), p.scale) : 0.f;
 
-  // One tile of this warp; kRegK: K of this tile is in kc, and the next tile's goes into kn.
-  auto tile_step = [&](const int tile, uint4 (&kc)[2][kKU], uint4 (&kn)[2][kKU]) {
+  // One tile of this warp; kRegK: K of this tile is in kc (the next tile's is on its way into
+  // the other register set).
+  auto tile_step = [&](const int tile, uint4 (&kc)[2][kKU]) {
     const int nt = tile + kStages - 1;  // the tile that goes into the stage tile - 1 used
     const int stage = tile % kStages;
     if constexpr (kTma) {
@@ -355,9 +356,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
         __syncwarp();
         generic_to_async_proxy();
         load_slice(nt, nt % kStages);
-      }
-      if constexpr (kRegK) {
-        if (tile + 1 < ntiles) load_k(tile + 1, kn);
       }
       const int valid = slice_keys(tile);
       if (valid <= 0) return;  // this warp's keys are all past the end
@@ -414,6 +412,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
           mma16816<T>(sc[grp], qa[kk], (kk & 1) ? c.z : c.x, (kk & 1) ? c.w : c.y);
         }
       }
+      // kc is spent: it takes tile + 2 (the other set holds tile + 1), so two tiles of K stay in flight
+      // behind the compute with two register sets. (With one, a CTA an SM kept only 16 KB of K
+      // in flight, and rows with one CTA an SM ran up to 1.25x slower than the TMA loader.)
+      if (tile + 2 < ntiles) load_k(tile + 2, kc);
     }
 #pragma unroll
     for (int kk = 0; kk < (kRegK ? 0 : D / 16); ++kk) {
@@ -497,13 +499,14 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   uint4 k_even[2][kKU], k_odd[2][kKU];  // kRegK: K of the even / odd tiles (unused otherwise)
   if constexpr (kRegK) {
     load_k(0, k_even);
+    if (ntiles > 1) load_k(1, k_odd);
     // Two tiles a step, so that the K registers alternate without copies.
     for (int tile = 0; tile < ntiles; tile += 2) {
-      tile_step(tile, k_even, k_odd);
-      if (tile + 1 < ntiles) tile_step(tile + 1, k_odd, k_even);
+      tile_step(tile, k_even);
+      if (tile + 1 < ntiles) tile_step(tile + 1, k_odd);
     }
   } else {
-    for (int tile = 0; tile < ntiles; ++tile) tile_step(tile, k_even, k_odd);
+    for (int tile = 0; tile < ntiles; ++tile) tile_step(tile, k_even);
   }
   if constexpr (!kTma) cp_async_wait<0>();  // (every TMA load was waited for in the loop)
 
@@ -581,8 +584,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
 }
 
-// set_decode_loader (launch.cu): 0 auto (TMA on an sm90 device in an sm90a build, at head
-// sizes 64, 128 and 256), 1 cp.async always, 2 TMA where it can run (as auto), 3 K by plain
+// set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build, at head sizes 64,
+// 128 and 256: K by plain loads and V by TMA at 64 and 128 with two CTAs an SM or more, else
+// TMA for both; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
 // loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 
@@ -604,7 +608,12 @@ void launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
   if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
   if constexpr (D == 64 || D == 128) {
-    if (tma && pinned == 3) return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
+    // Auto takes K into registers where at least two CTAs an SM stream (their K loads in flight
+    // add up; with one CTA an SM the TMA loader keeps more bytes in flight).
+    const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * ((p.group_size + 15) / 16) * p.batch;
+    const bool many_ctas = ctas >= 2 * static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
+    if (tma && (pinned == 3 || (pinned == 0 && many_ctas)))
+      return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
   if constexpr (D % 64 == 0) {
     if (tma) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
