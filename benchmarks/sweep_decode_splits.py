@@ -48,11 +48,15 @@ def sweep_row(b, hq, hkv, d, length, splits):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--splits", type=int, nargs="+", default=SPLITS)
+    parser.add_argument("--loader", default="auto", help="the decode loader to pin (auto, cp_async, tma, regs_k)")
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="indices into the decode grid (default: all)")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
+    gqa_torch._C._set_decode_loader(args.loader)
     rows = []
-    for b, hq, hkv, d, length in DECODE_GRID:
+    grid = [DECODE_GRID[i] for i in args.rows] if args.rows else DECODE_GRID
+    for b, hq, hkv, d, length in grid:
         times, kv_bytes = sweep_row(b, hq, hkv, d, length, args.splits)
         forced = {k: v for k, v in times.items() if k != "plan"}
         best = min(forced, key=forced.get)
@@ -63,7 +67,8 @@ def main():
                  f"{forced[best]:.1f} us ({row['gain']:.2f}x); {row['all_us']}")
         rows.append(row)
         torch.cuda.empty_cache()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16",
+    gqa_torch._C._set_decode_loader("auto")
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16", loader=args.loader,
                 timing="median of CUDA-graph replays, inputs rotated beyond L2")
     print(write_tables("sweep_decode_splits", meta, rows,
                        ["B", "heads", "L", "plan_us", "best_splits", "best_us", "gain", "all_us"],
