@@ -125,7 +125,7 @@ struct Config {
   static_assert(!PIPE_ || (SUB_ == 1 && (!WGMMA_ || WS_ == 2)),
                 "the pipelined order: mma.sync, or wgmma with split K/V stages; whole stages");
   static_assert(kStages >= 2, "at least double buffering");
-  // 80-key tiles (route 10, D = 256): S is one m64n80 wgmma, P V five k16 steps; a blocked tile
+  // 80-key tiles (route 9, D = 256): S is one m64n80 wgmma, P V five k16 steps; a blocked tile
   // of 80 rows is 10 whole 8-row atoms a column block (10 KB, so every atom stays 1024-byte
   // aligned), and the TMA box of 80 keys is within its 256-row limit. Nothing else in the
   // kernel takes BN for a power of two: tile indices are divisions by kStageKeys, and the
@@ -1308,7 +1308,7 @@ using Cfg128WSKV = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, 2>;
 using Cfg256WSKV = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, 2>;
 using Cfg64WSKVP = Config<64, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
-// Route 10 and auto at D = 256: Cfg256WS with 80-key tiles, so that each tile's fixed
+// Route 9 and auto at D = 256: Cfg256WS with 80-key tiles, so that each tile's fixed
 // costs (the full-barrier wait, the row max / sum shuffles and the rescale vote, the mask
 // choice) spread over 25% more keys. Two stages of 80 keys are 160 KB, with the 64 KB Q tile
 // and the alignment 225 KB of the 227 KB (96 keys would need 257 KB); S is 40 registers a
@@ -1413,8 +1413,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
 // removed), 7 and 8 as 5 and 6 with split K/V stage barriers, in the plain and the pipelined
 // order (auto takes 8's kernel at padded head size 128 for prompts of 4096 tokens or more), 9
-// not taken on this branch (free for a parallel branch), 10 as 5 with 80-key tiles at padded
-// head size 256 (Cfg256WS80, auto's kernel there), route 5's kernels at 64 and 128.
+// as 5 with 80-key tiles at padded head size 256 (Cfg256WS80, auto's kernel there), route 5's
+// kernels at 64 and 128.
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1455,10 +1455,11 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
         // D = 256: the pipelined order spills (O alone is 128 registers): route 7's kernel.
         if (dpad == 256) return launch_ws<T, Cfg256WSKV>(a, stream, route);
       }
-      // Route 10's 80-key tiles exist at D = 256 only (at 64 and 128 it takes route 5's kernels
+      // Route 9's 80-key tiles exist at D = 256 only (at 64 and 128 it takes route 5's kernels
       // below); auto takes them there. H200, bf16, causal, 32/8 heads, interleaved A/B against
-      // route 5: 523 against 498 TFLOP/s at B=2 L=4096, 592 against 558 at B=1 L=8192.
-      if ((route == 10 || route == 0) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
+      // route 5: 523 against 498 TFLOP/s at B=2 L=4096, 592 against 558 at B=1 L=8192 (a
+      // cross-block carry of route 8's pipeline, wip/prefill-xblock, measured 0.93x route 8).
+      if ((route == 9 || route == 0) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
       if (dpad == 64)
         return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);

@@ -26,15 +26,14 @@ std::atomic<int32_t> g_min_split_keys_override{0};
 }
 
 namespace {
-// The index of `name` in `names` (a switch's accepted values; a null entry is a code not
-// taken); otherwise a ValueError that names the switch and lists them.
+// The index of `name` in `names` (a switch's accepted values); otherwise a ValueError that
+// names the switch and lists them.
 template <size_t N>
 int switch_code(const char* const (&names)[N], const std::string& name, const char* what) {
   std::string listed;
   for (size_t i = 0; i < N; ++i) {
-    if (names[i] == nullptr) continue;
     if (name == names[i]) return static_cast<int>(i);
-    listed += (listed.empty() ? "" : ", ") + std::string(names[i]);
+    listed += (i ? ", " : "") + std::string(names[i]);
   }
   TORCH_CHECK_VALUE(false, "gqa: ", what, ": expected one of ", listed, ", got \"", name, "\"");
   return -1;  // not reached
@@ -43,11 +42,9 @@ int switch_code(const char* const (&names)[N], const std::string& name, const ch
 
 void set_prefill_route(const std::string& route) {
   // The index is the kernel's route code (prefill_mma.cu, launch_default).
-  // 9 is not taken on this branch (left free for a parallel branch's route); 10 is experimental
-  // (80-key tiles at D = 256).
   static const char* const kRoutes[] = {"auto",      "mma",        "wgmma",           "wgmma_ws", "wgmma_ws_cpasync",
                                         "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv", "wgmma_ws_kv_pipe",
-                                        nullptr,   "wgmma_ws_bn80"};
+                                        "wgmma_ws_bn80"};
   const int code = switch_code(kRoutes, route, "prefill route");
   (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA
