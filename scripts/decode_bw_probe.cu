@@ -7,6 +7,8 @@
 //      one thread, cp.async tiles, plain 16-byte loads) and depth, when nothing is computed?
 //   2. What does one kernel node of a CUDA graph cost, with and without programmatic dependent
 //      launch, and when two kernels with different shared-memory needs alternate?
+// Each loader variant is spelled out in full (not factored into shared helpers), so that each
+// kernel reads alone as the pattern it measures.
 // Build and run on the device: nvcc -O3 -std=c++17 -arch=sm_90a -lcuda scripts/decode_bw_probe.cu -o /tmp/probe && /tmp/probe
 #include <cuda.h>
 #include <cuda_runtime.h>
