@@ -4,7 +4,8 @@
 // (all G of them when G <= 16), so each K/V byte is read from memory once. The CTA takes keys
 // [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
 // row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
-// own 16 keys, on sm90 at head sizes 64/128/256; by cp.async, the whole CTA, elsewhere), and
+// own 16 keys, on sm90 at head sizes 64/128/256, with K instead loaded straight into registers
+// at 64/128 when two CTAs an SM or more stream; by cp.async, the whole CTA, elsewhere), and
 // each warp multiplies its 16 keys of a tile with mma.sync m16n8k16:
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
@@ -14,8 +15,8 @@
 // `fused` (in-place op): no prep launch ran. Every CTA checks all rows itself (so a bad row
 // anywhere makes the whole call NaN, as the error word would), the CTA whose range holds the
 // new key writes the new K (after RoPE) and V into the cache and patches the same values into
-// its own tile (the warp whose keys hold it), since nothing in this launch may read that
-// cache row.
+// its own tile or K registers (the warp whose keys hold it), since nothing in this launch may
+// read that cache row.
 #pragma once
 
 #include "common.cuh"
@@ -71,8 +72,9 @@ struct DecodeCacheMaps {
 };
 
 // kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 keys of every tile as TMA
-// boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop;
-// otherwise the CTA copies whole tiles with cp.async between two barriers a tile.
+// boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
+// (kRegK: V only; each lane loads its part of K into registers, see load_k); otherwise the CTA
+// copies whole tiles with cp.async between two barriers a tile.
 template <typename T, int D, int kLoader>
 __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
@@ -412,9 +414,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
           mma16816<T>(sc[grp], qa[kk], (kk & 1) ? c.z : c.x, (kk & 1) ? c.w : c.y);
         }
       }
-      // kc is spent: it takes tile + 2 (the other set holds tile + 1), so two tiles of K stay in flight
-      // behind the compute with two register sets. (With one, a CTA an SM kept only 16 KB of K
-      // in flight, and rows with one CTA an SM ran up to 1.25x slower than the TMA loader.)
+      // kc is spent: it takes tile + 2 (the other set holds tile + 1), so two tiles of K stay
+      // in flight behind the compute with two register sets. (With one, a CTA an SM kept only
+      // 16 KB of K in flight, and rows with one CTA an SM ran up to 1.25x slower than TMA.)
       if (tile + 2 < ntiles) load_k(tile + 2, kc);
     }
 #pragma unroll
