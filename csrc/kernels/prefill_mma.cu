@@ -1314,7 +1314,7 @@ using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 // and the alignment 225 KB of the 227 KB (96 keys would need 257 KB); S is 40 registers a
 // thread (P 20) next to O's 128. One barrier pair per stage (WS = 1), as route 5: with split
 // K/V barriers (route 7) D = 256 measured within 1% of route 5, and keeping the route 5
-// kernel otherwise unchanged lets an A/B of routes 5 and 10 measure the tile size alone.
+// kernel otherwise unchanged lets an A/B of routes 5 and 9 measure the tile size alone.
 using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route

@@ -1,10 +1,9 @@
 // Hopper warpgroup MMA (wgmma, sm90a) for the prefill kernel: shared-memory matrix
 // descriptors for 128-byte-swizzled tiles, the async-proxy fences, and the three shapes the
 // prefill uses: S[64 x N] = Q K^T (N = 64, 80 or 128 keys; both operands in shared memory,
-// K-major), and
-// O[64 x D] += P V (P from registers in the mma.sync A-fragment layout, V in shared memory
-// stored [keys][D], i.e. MN-major, transposed on the fly), N = 64 or 128 (D = 256 is two
-// n128 products).
+// K-major), and O[64 x D] += P V (P from registers in the mma.sync A-fragment layout, V in
+// shared memory stored [keys][D], i.e. MN-major, transposed on the fly), N = 64 or 128 (D = 256
+// is two n128 products).
 //
 // Tile layout (see blocked_offset): a tile of R rows and D columns is D/64 column blocks of
 // [R][64] elements, 128 bytes per row, 16-byte chunk c of row r stored at chunk c ^ (r % 8);
@@ -129,7 +128,7 @@ using detail::generic_to_async_proxy;
 // The accumulator operand lists of the asm below: 32 or 64 "+f" registers.
 #define GQA_WG_ACC32(d, o) "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7]), "+f"(d[o + 8]), "+f"(d[o + 9]), "+f"(d[o + 10]), "+f"(d[o + 11]), "+f"(d[o + 12]), "+f"(d[o + 13]), "+f"(d[o + 14]), "+f"(d[o + 15]), "+f"(d[o + 16]), "+f"(d[o + 17]), "+f"(d[o + 18]), "+f"(d[o + 19]), "+f"(d[o + 20]), "+f"(d[o + 21]), "+f"(d[o + 22]), "+f"(d[o + 23]), "+f"(d[o + 24]), "+f"(d[o + 25]), "+f"(d[o + 26]), "+f"(d[o + 27]), "+f"(d[o + 28]), "+f"(d[o + 29]), "+f"(d[o + 30]), "+f"(d[o + 31])
 #define GQA_WG_ACC64(d) GQA_WG_ACC32(d, 0), GQA_WG_ACC32(d, 32)
-// 40 (m64n80, the 80-key tiles of route 10): 32 and 8 more.
+// 40 (m64n80, the 80-key tiles of route 9): 32 and 8 more.
 #define GQA_WG_ACC40(d) GQA_WG_ACC32(d, 0), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
 
 // One k-step (16) of D[64 x N] (f32) += A[64 x 16] B[16 x N], N = 64 or 128 (SS also 80: S of an
