@@ -2,7 +2,8 @@
 
 For every row, the in-place op (append + attention, bf16, CUDA-graph replays, inputs rotated
 beyond L2) is timed with the plan's own choice, then with each forced ``max_splits`` (and the
-smallest split lowered so that the forced count is really used). Prints, per row, the plan's
+smallest split lowered so that the forced count is really used), with the loader `--loader`
+pins (default: auto's choice). Prints, per row, the plan's
 time, the best forced setting and its time, so the plan's heuristic can be checked against
 measurements. Writes benchmarks/results/sweep_decode_splits.{json,md}.
 """
