@@ -112,6 +112,21 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const TokenStrides os = p.output_strides;
   T* out_row = static_cast<T*>(p.output) + b * os.batch;
 
+  // Work that reads nothing an earlier kernel writes runs before the PDL wait, under the tail of
+  // the kernel before: this warp's stage barriers, and the tensor maps' prefetch.
+  const uint32_t slice_bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
+  if constexpr (kTma) {
+    if (lane == 0) {
+      for (int s = 0; s < kStages; ++s) mbarrier_init(slice_bars + 8u * s, 1);
+      if (warp == 0) {
+        tma_prefetch_map(&maps.v);
+        if constexpr (!kRegK) tma_prefetch_map(&maps.k);
+      }
+    }
+    __syncwarp();
+    generic_to_async_proxy();  // the initialised barriers, before the copies complete on them
+  }
+
   pdl_wait();
   pdl_launch_dependents();
 
@@ -197,7 +212,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // capacity are zero-filled; rows past the split's end but inside the capacity are loaded
   // and, for V, zeroed after the wait: P is 0 there, and 0 times a stale NaN would be NaN).
   const int kw = warp * 16;  // this warp's keys within a tile
-  const uint32_t slice_bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
   auto slice_keys = [&](int tile) { return min(16, k1 - (k0 + tile * kTile + kw)); };  // <= 0: none
   // 16-byte chunk c of row r (0-15) of this warp's K (or V) slice in a stage.
   auto slice_chunk = [&](int stage, bool v, int r, int c) -> T* {
@@ -246,11 +260,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   };
 
   if constexpr (kTma) {
-    if (lane == 0) {
-      for (int s = 0; s < kStages; ++s) mbarrier_init(slice_bars + 8u * s, 1);
-    }
-    __syncwarp();
-    generic_to_async_proxy();  // the initialised barriers, before the copies complete on them
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < ntiles) load_slice(s, s);
@@ -261,6 +270,15 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (s < ntiles) load_tile(s, s);
       cp_async_commit();
     }
+  }
+
+  // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, with the
+  // first V slices and before the Q rows, so that a split of one or two tiles waits for one
+  // memory round trip, not two (Q's RoPE tables and Q itself are a round trip of their own).
+  uint4 k_even[2][kKU], k_odd[2][kKU];
+  if constexpr (kRegK) {
+    load_k(0, k_even);
+    if (ntiles > 1) load_k(1, k_odd);
   }
 
   // Q rows (RoPE'd, rounded to T) while the first tiles are in flight; rows >= nh are zero.
@@ -498,10 +516,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
     }
   };
-  uint4 k_even[2][kKU], k_odd[2][kKU];  // kRegK: K of the even / odd tiles (unused otherwise)
   if constexpr (kRegK) {
-    load_k(0, k_even);
-    if (ntiles > 1) load_k(1, k_odd);
     // Two tiles a step, so that the K registers alternate without copies.
     for (int tile = 0; tile < ntiles; tile += 2) {
       tile_step(tile, k_even);

@@ -53,6 +53,14 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
 #endif
 }
 
+// Fetches a tensor map (a __grid_constant__ kernel parameter) into the TMA unit's cache ahead
+// of the first load through it.
+__device__ __forceinline__ void tma_prefetch_map(const void* tensor_map) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
+#endif
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace gqa
