@@ -8,6 +8,9 @@ ratio to the first route.
 
     python3 ab_prefill_routes.py --routes wgmma_ws_persistent wgmma_ws_kv_pipe --shapes 2x4096x128 1x8192x128
     python3 ab_prefill_routes.py --routes wgmma_ws_persistent wgmma_ws_bn80 --shapes 2x4096x256 1x8192x256
+
+A route name may end in "+q_cp_async" (e.g. auto+q_cp_async): that route with its Q tiles
+staged by cp.async instead of TMA (_C._set_prefill_q_loader).
 """
 from __future__ import annotations
 
@@ -45,11 +48,14 @@ def time_routes(b: int, length: int, d: int, routes, rounds: int):
     calls = max(n, 8)
     graphs = {}
     for route in routes:
-        gqa_torch._C._set_prefill_route(route)  # the route is fixed when the graph is captured
+        name, _, q_loader = route.partition("+q_")  # e.g. auto+q_cp_async: that Q loader
+        gqa_torch._C._set_prefill_route(name)  # the route is fixed when the graph is captured
+        gqa_torch._C._set_prefill_q_loader(q_loader or "auto")
         try:
             graphs[route] = capture_graph(call, n, calls)
         finally:
             gqa_torch._C._set_prefill_route("auto")
+            gqa_torch._C._set_prefill_q_loader("auto")
     times = {route: [] for route in routes}
     for _ in range(rounds):
         for route, graph in graphs.items():

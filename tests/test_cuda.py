@@ -265,6 +265,36 @@ def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
         _run_cuda_and_cpu(case)
 
 
+@pytest.fixture(params=["auto", "cp_async"])
+def prefill_q_loader(request):
+    """Pins how the warp-specialised prefill stages Q: "auto" (by TMA, where G divides 64, the
+    scale is positive and every row of the block is a query row; by cp.async for the other
+    blocks of the same launch) or "cp_async" for every block."""
+    gqa_torch._C._set_prefill_q_loader(request.param)
+    yield request.param
+    gqa_torch._C._set_prefill_q_loader("auto")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (12, 4), (8, 2), (32, 2)], ids=["g1", "g3", "g4", "g16"])
+def test_cuda_prefill_q_loader(dtype, head_dim, heads, prefill_q_loader):
+    """The Q tile by TMA or cp.async under auto's kernel: G = 1, 3 (no TMA box: cp.async), 4 and
+    16; head size 80 (TMA zero-fills the columns past it); in place with ragged pasts and packed,
+    strided or plain q (with RoPE, q comes from prep's rotated copy); a padded first prompt
+    (blocks with padding rows take cp.async, the others TMA, in one launch); a negative scale
+    (cp.async, which flips q's sign)."""
+    num_heads, kv_heads = heads
+    for i, feat in enumerate([dict(), dict(rotary="half", packed=True), dict(strided=True, softcap=2.0),
+                              dict(scale=-0.08, window=50)]):
+        case = make_case("inplace", batch=2, seq=300, num_heads=num_heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                         capacity=420, layout=i % 2, dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
+    case = make_case("functional", batch=3, seq=260, num_heads=num_heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                     capacity=None, first_prompt=True, prompt_lengths=[260, 75, 193], dtype=DTYPES[dtype])
+    _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("seq", [2, 33])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

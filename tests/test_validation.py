@@ -619,6 +619,10 @@ def test_tuning_switches_name_what_they_expect():
     with pytest.raises(ValueError, match=r'gqa: decode loader: expected one of auto, cp_async, tma, regs_k, got "nope"'):
         gqa_torch._C._set_decode_loader("nope")
     gqa_torch._C._set_decode_loader("auto")
+    with pytest.raises(ValueError, match=r'gqa: prefill Q loader: expected one of auto, cp_async, got "tma"'):
+        gqa_torch._C._set_prefill_q_loader("tma")
+    gqa_torch._C._set_prefill_q_loader("cp_async")
+    gqa_torch._C._set_prefill_q_loader("auto")
     with pytest.raises(ValueError, match=r"gqa: max_splits: expected 0\.\.128, got 129"):
         gqa_torch._C._set_decode_split_override(129, 0)
     with pytest.raises(ValueError, match=r"gqa: min_split_keys: expected 0\.\.1048576, got -1"):

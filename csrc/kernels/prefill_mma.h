@@ -41,5 +41,10 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
 //   head size 256 (auto's kernel there; route 5's kernels at 64 and 128).
 void set_prefill_route(int route);
 
+// How the warp-specialised kernels' loader stages each query block's Q tile: 0 (auto) by TMA
+// where it can (G divides 64, scale >= 0, every row of the block a real query row; cp.async for
+// the others), 1 by cp.async always (kept for A/B timing and as the tested fallback).
+void set_prefill_q_loader(int loader);
+
 }  // namespace cuda
 }  // namespace gqa

@@ -1,5 +1,5 @@
-// TMA (sm90): a tensor map of a K or V cache, encoded on the host, and the load of one box of
-// it into shared memory (128-byte swizzled: 16-byte chunk c of row r at chunk c ^ (r % 8),
+// TMA (sm90): tensor maps of a K or V cache and of the queries, encoded on the host, and the
+// load of one box into shared memory (128-byte swizzled: 16-byte chunk c of row r at chunk c ^ (r % 8),
 // each 8-row atom 1024-byte aligned). Used by the wgmma prefill and the decode kernel.
 #pragma once
 
@@ -12,10 +12,9 @@ namespace gqa {
 namespace cuda {
 namespace detail {
 
-// A TMA map of one cache ([B][Hkv][C][D] in whatever order its strides say) in boxes of 64
-// columns x `box_keys` keys, 128-byte swizzled as the blocked tiles are (wgmma.cuh). False when
-// the driver has no encoder or refuses the layout; the caller then keeps cp.async.
-inline bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int box_keys) {
+// The driver's tensor-map encoder, fetched through the runtime once (null when the driver has
+// none).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
@@ -25,19 +24,49 @@ inline bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p
       fn = nullptr;
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  if (encode == nullptr) return false;
-  const TokenStrides s = p.cache_strides;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.capacity),
-                              static_cast<cuuint64_t>(p.kv_heads), static_cast<cuuint64_t>(p.batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(s.token) * 2, static_cast<cuuint64_t>(s.head) * 2,
-                                 static_cast<cuuint64_t>(s.batch) * 2};  // bytes, dims 1..3
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_keys), 1, 1};
+  return encode;
+}
+
+// A 4-D fp16/bf16 tensor map (dims[0] contiguous; strides in elements for dims 1..3) in boxes
+// whose rows are 64 elements (128 bytes), 128-byte swizzled as the blocked tiles are
+// (wgmma.cuh); elements outside the tensor read as zeros. False when the driver has no encoder
+// or refuses the layout; the caller then keeps cp.async.
+inline bool encode_map_4d(CUtensorMap* map, const void* base, const Params& p, const int64_t (&dims)[4],
+                          const int64_t (&strides)[3], const int (&box)[4]) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || box[0] != 64) return false;
+  cuuint64_t g_dims[4];
+  cuuint64_t g_strides[3];
+  cuuint32_t g_box[4];
+  for (int i = 0; i < 4; ++i) {
+    g_dims[i] = static_cast<cuuint64_t>(dims[i]);
+    g_box[i] = static_cast<cuuint32_t>(box[i]);
+  }
+  for (int i = 0; i < 3; ++i) g_strides[i] = static_cast<cuuint64_t>(strides[i]) * 2;  // bytes
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type =
       p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  return encode(map, type, 4, const_cast<void*>(base), g_dims, g_strides, g_box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A TMA map of one cache ([B][Hkv][C][D] in whatever order its strides say) in boxes of 64
+// columns x `box_keys` keys.
+inline bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int box_keys) {
+  const TokenStrides s = p.cache_strides;
+  return encode_map_4d(map, base, p, {p.head_dim, p.capacity, p.kv_heads, p.batch}, {s.token, s.head, s.batch},
+                       {64, box_keys, 1, 1});
+}
+
+// A TMA map of the queries ([B][S][Hq][D] in whatever order `qs` says) whose box is 64 packed
+// query rows of one kv head: 64 columns x the group's `G` heads x 64 / G tokens, so that row
+// s * G + g of the box is head g of token s, as the prefill packs them. G must divide 64.
+inline bool encode_query_map(CUtensorMap* map, const void* q, TokenStrides qs, const Params& p) {
+  const int G = p.group_size;
+  if (G <= 0 || 64 % G != 0) return false;
+  return encode_map_4d(map, q, p, {p.head_dim, p.q_heads, p.query_len, p.batch}, {qs.head, qs.token, qs.batch},
+                       {64, G, 64 / G, 1});
 }
 
 // TMA: one box of a 4-D tensor map (a __grid_constant__ kernel parameter, by generic address)

@@ -31,6 +31,10 @@ void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
 // run on sm90 only. No-op in a CPU-only build.
 void set_prefill_route(const std::string& route);
 
+// Tests and benchmarks: how the warp-specialised prefill kernels stage Q, "auto" (the default:
+// by TMA where it can) or "cp_async" (kernels/prefill_mma.h). No-op in a CPU-only build.
+void set_prefill_q_loader(const std::string& loader);
+
 // Tests and benchmarks: the tensor-core decode kernel's loader, "auto" (the default: TMA onto
 // per-warp mbarriers on an sm90 device in an sm90a build at head sizes 64, 128 and 256, else
 // cp.async), "cp_async" or "tma" (where it can run). No-op in a CPU-only build.

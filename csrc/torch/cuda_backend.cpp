@@ -52,6 +52,16 @@ void set_prefill_route(const std::string& route) {
 #endif
 }
 
+void set_prefill_q_loader(const std::string& loader) {
+  // The index is the kernel's Q loader code (kernels/prefill_mma.h).
+  static const char* const kLoaders[] = {"auto", "cp_async"};
+  const int code = switch_code(kLoaders, loader, "prefill Q loader");
+  (void)code;  // used by a CUDA build only
+#ifdef GQA_WITH_CUDA
+  cuda::set_prefill_q_loader(code);
+#endif
+}
+
 void set_decode_loader(const std::string& loader) {
   // The index is the kernel's loader code (kernels/launch.h).
   static const char* const kLoaders[] = {"auto", "cp_async", "tma", "regs_k"};

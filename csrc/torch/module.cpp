@@ -15,6 +15,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_prefill_route", &gqa::set_prefill_route, pybind11::arg("route"),
         "Tests and benchmarks: pins the fp16/bf16 prefill kernel by route name, or \"auto\" (the "
         "default); an unknown name's error lists the routes.");
+  m.def("_set_prefill_q_loader", &gqa::set_prefill_q_loader, pybind11::arg("loader"),
+        "Tests and benchmarks: how the warp-specialised prefill stages Q, \"auto\" (TMA where it can, the "
+        "default) or \"cp_async\".");
   m.def("_set_decode_loader", &gqa::set_decode_loader, pybind11::arg("loader"),
         "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\" or \"tma\".");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
