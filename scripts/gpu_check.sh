@@ -6,7 +6,8 @@
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests); GQA_TEST_K a
-# pytest -k expression; GQA_TEST_ARGS more pytest arguments (split on spaces).
+# pytest -k expression; GQA_TEST_ARGS more pytest arguments (split on spaces); GQA_BENCH_ARGS and
+# GQA_PREFILL_ARGS the arguments of bench_decode.py and bench_prefill.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-$PWD/gpu_out}
@@ -57,7 +58,7 @@ for step in $steps; do
       cp -r benchmarks/results "$OUT/" 2>/dev/null
       grep -v "^    " "$OUT/bench_decode.log" | tail -45 ;;
     prefill)
-      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 bench_prefill.py) > "$OUT/bench_prefill.log" 2>&1 || status=1
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 bench_prefill.py ${GQA_PREFILL_ARGS:-}) > "$OUT/bench_prefill.log" 2>&1 || status=1
       cp -r benchmarks/results "$OUT/" 2>/dev/null  # also when nested (GQA_NESTED)
       grep -v "^    " "$OUT/bench_prefill.log" | tail -25 ;;
     checks)
