@@ -1,6 +1,7 @@
 // TMA (sm90): tensor maps of a K or V cache and of the queries, encoded on the host, and the
-// load of one box into shared memory (128-byte swizzled: 16-byte chunk c of row r at chunk c ^ (r % 8),
-// each 8-row atom 1024-byte aligned). Used by the wgmma prefill and the decode kernel.
+// load of one box into shared memory (128-byte swizzled: 16-byte chunk c of row r at chunk
+// c ^ (r % 8), each 8-row atom 1024-byte aligned). Used by the wgmma prefill and the decode
+// kernel.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (the encoder is fetched through the runtime, no -lcuda)
