@@ -282,20 +282,33 @@ GQA_HOST_DEVICE int rope_vec_units(const Params& p, int elem_bytes, bool rotate)
   const int R = rotate ? p.rotary_dim : 0;
   return (p.rotary_interleaved ? R / E : R / (2 * E)) + (p.head_dim - R) / E;
 }
-// Unit u of a row (u < rope_vec_units).
+// The 16-byte chunks that unit u of a row reads and writes (u < rope_vec_units): c0, and c1
+// for the partner chunk of a rotate-half pair (else -1).
+GQA_HOST_DEVICE void rope_unit_chunks(const Params& p, int elem_bytes, bool rotate, int u, int& c0, int& c1) {
+  const int E = 16 / elem_bytes;
+  const int R = rotate ? p.rotary_dim : 0;
+  const int rot_units = p.rotary_interleaved ? R / E : R / (2 * E);
+  c1 = -1;
+  if (u >= rot_units) {
+    c0 = R / E + (u - rot_units);
+  } else {
+    c0 = u;
+    if (!p.rotary_interleaved) c1 = u + rot_units;
+  }
+}
+
+// Unit u from its chunks as read (x0 at c0, x1 at c1: rope_unit_chunks): y0 for c0, y1 for
+// c1 (rotate-half pairs only); a chunk past the rotary part is copied.
 template <typename T>
-__device__ __forceinline__ void rope_unit_vec(const Params& p, const T* src, T* dst, bool rotate, int64_t pos, int u) {
+__device__ __forceinline__ void rope_unit_rotate(const Params& p, uint4 x0v, uint4 x1v, bool rotate, int64_t pos, int u,
+                                                 uint4& y0v, uint4& y1v) {
   constexpr int E = 16 / static_cast<int>(sizeof(T));
   const int R = rotate ? p.rotary_dim : 0;
   const bool inter = p.rotary_interleaved;
   const int rot_units = inter ? R / E : R / (2 * E);
-  const uint4* const s4 = reinterpret_cast<const uint4*>(src);
-  uint4* const d4 = reinterpret_cast<uint4*>(dst);
-  if (u >= rot_units) {
-    const int c = R / E + (u - rot_units);
-    d4[c] = s4[c];
-    return;
-  }
+  y0v = x0v;
+  y1v = x1v;
+  if (u >= rot_units) return;
   // Element j of a chunk as float, and the chunk from E floats (constant indices only, so
   // that nothing goes through local memory).
   auto unpack = [](uint4 v, float (&x)[E]) {
@@ -314,7 +327,7 @@ __device__ __forceinline__ void rope_unit_vec(const Params& p, const T* src, T* 
   auto rot0 = [](float a, float b, float c, float s) { return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)); };
   auto rot1 = [](float a, float b, float c, float s) { return __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)); };
   float x0[E], y0[E];
-  unpack(s4[u], x0);
+  unpack(x0v, x0);
   if (inter) {  // pairs (2j, 2j + 1) of chunk u
     float c[E / 2], s[E / 2];
     rotary_cos_sin_vec<E / 2>(p, pos, u * (E / 2), c, s);
@@ -323,19 +336,32 @@ __device__ __forceinline__ void rope_unit_vec(const Params& p, const T* src, T* 
       y0[2 * j] = rot0(x0[2 * j], x0[2 * j + 1], c[j], s[j]);
       y0[2 * j + 1] = rot1(x0[2 * j], x0[2 * j + 1], c[j], s[j]);
     }
-    d4[u] = pack(y0);
+    y0v = pack(y0);
   } else {  // pairs (j of chunk u, j of chunk u + rot_units)
     float x1[E], y1[E], c[E], s[E];
-    unpack(s4[u + rot_units], x1);
+    unpack(x1v, x1);
     rotary_cos_sin_vec<E>(p, pos, u * E, c, s);
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       y0[j] = rot0(x0[j], x1[j], c[j], s[j]);
       y1[j] = rot1(x0[j], x1[j], c[j], s[j]);
     }
-    d4[u] = pack(y0);
-    d4[u + rot_units] = pack(y1);
+    y0v = pack(y0);
+    y1v = pack(y1);
   }
+}
+
+// Unit u of a row (u < rope_vec_units), from src to dst.
+template <typename T>
+__device__ __forceinline__ void rope_unit_vec(const Params& p, const T* src, T* dst, bool rotate, int64_t pos, int u) {
+  int c0, c1;
+  rope_unit_chunks(p, static_cast<int>(sizeof(T)), rotate, u, c0, c1);
+  const uint4* const s4 = reinterpret_cast<const uint4*>(src);
+  uint4* const d4 = reinterpret_cast<uint4*>(dst);
+  uint4 y0, y1;
+  rope_unit_rotate<T>(p, s4[c0], c1 >= 0 ? s4[c1] : make_uint4(0u, 0u, 0u, 0u), rotate, pos, u, y0, y1);
+  d4[c0] = y0;
+  if (c1 >= 0) d4[c1] = y1;
 }
 
 // ---- tensor cores ------------------------------------------------------------------------

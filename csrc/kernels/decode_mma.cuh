@@ -130,9 +130,56 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   pdl_wait();
   pdl_launch_dependents();
 
-  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
-  uint32_t bad = g.flags;
-  if (tid == 0) bad |= read_error_word(p.error_word);
+  // First the reads that everything about the row's keys waits for.
+  const int seqlen = p.seqlens_k[b];
+  const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
+  // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
+  // after the PDL wait: their addresses do not depend on seqlens_k, so their memory round trip
+  // overlaps the seqlens read, the row checks and the first K/V loads instead of following
+  // them. (Nsight Compute, B1 L1024, TMA loader: the Q units' shared stores waiting on their
+  // loads and the barrier behind them held 16% of the stall samples; the first K/V wait none.)
+  // Not with K in registers (their budget) nor at D = 256 (eight units a thread).
+  constexpr bool kPrefetch = !kRegK && D <= 128;
+  constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
+  constexpr int kQPre = kPrefetch ? (16 * (D / kE) + Cfg::kThreads - 1) / Cfg::kThreads : 1;
+  auto aligned16 = [](const T* row, int64_t stride) {
+    return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
+  };
+  const TokenStrides qs = p.query_strides;
+  const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
+  const bool rope_vec = rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary);
+  const bool q_vec = aligned16(qsrc, qs.head) && rope_vec;
+  const int q_units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);  // also a new key's
+  const T* const ksrc = static_cast<const T*>(p.key) + b * p.key_strides.batch + kvh * p.key_strides.head;
+  const T* const vsrc = static_cast<const T*>(p.value) + b * p.value_strides.batch + kvh * p.value_strides.head;
+  const bool kv_pre = kPrefetch && fused && aligned16(ksrc, 0) && aligned16(vsrc, 0) && rope_vec;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  uint4 q_pre[kQPre][2], k_pre[2] = {zero, zero}, v_pre = zero;
+  if constexpr (kPrefetch) {
+#pragma unroll
+    for (int j = 0; j < kQPre; ++j) {
+      const int i = tid + j * Cfg::kThreads;
+      q_pre[j][0] = q_pre[j][1] = zero;
+      if (q_vec && i < nh * q_units) {
+        const int r = i / q_units;
+        int c0, c1;
+        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, i - r * q_units, c0, c1);
+        const uint4* const row = reinterpret_cast<const uint4*>(qsrc + (h0 + r) * qs.head);
+        q_pre[j][0] = row[c0];
+        if (c1 >= 0) q_pre[j][1] = row[c1];
+      }
+    }
+    if (kv_pre && tid < q_units) {
+      int c0, c1;
+      rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
+      k_pre[0] = reinterpret_cast<const uint4*>(ksrc)[c0];
+      if (c1 >= 0) k_pre[1] = reinterpret_cast<const uint4*>(ksrc)[c1];
+    }
+    if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
+  }
+
+  const RowGeometry g = row_geometry(p, seqlen);
+  uint32_t bad = g.flags | word;
   if (fused) {
     for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
       const RowGeometry gb = row_geometry(p, p.seqlens_k[bb]);
@@ -288,15 +335,26 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // a row, element by element.
   const int64_t rot_pos = p.do_rotary ? rotary_position(p, g, b, 0) : 0;
   {
-    const TokenStrides qs = p.query_strides;
-    const T* qsrc = static_cast<const T*>(p.query) + b * qs.batch;
-    constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
-    const bool rows16 = ((reinterpret_cast<uintptr_t>(qsrc) | static_cast<uintptr_t>(qs.head * sizeof(T))) & 15u) == 0;
-    if (rows16 && rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary)) {
-      const int units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);
-      for (int i = tid; i < nh * units; i += Cfg::kThreads) {
-        const int r = i / units;
-        rope_unit_vec<T>(p, qsrc + (h0 + r) * qs.head, q_s + r * kStride, p.do_rotary, rot_pos, i - r * units);
+    if (q_vec) {
+      if constexpr (kPrefetch) {  // the units read after the PDL wait
+#pragma unroll
+        for (int j = 0; j < kQPre; ++j) {
+          const int i = tid + j * Cfg::kThreads;
+          if (i >= nh * q_units) continue;
+          const int r = i / q_units, u = i - r * q_units;
+          int c0, c1;
+          rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, u, c0, c1);
+          uint4 y0, y1;
+          rope_unit_rotate<T>(p, q_pre[j][0], q_pre[j][1], p.do_rotary, rot_pos, u, y0, y1);
+          uint4* const row = reinterpret_cast<uint4*>(q_s + r * kStride);
+          row[c0] = y0;
+          if (c1 >= 0) row[c1] = y1;
+        }
+      } else {
+        for (int i = tid; i < nh * q_units; i += Cfg::kThreads) {
+          const int r = i / q_units;
+          rope_unit_vec<T>(p, qsrc + (h0 + r) * qs.head, q_s + r * kStride, p.do_rotary, rot_pos, i - r * q_units);
+        }
       }
       for (int i = nh * (D / kE) + tid; i < 16 * (D / kE); i += Cfg::kThreads) {
         const int r = i / (D / kE);
@@ -316,22 +374,37 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // The new key of this row (fused mode): the CTA whose range holds it computes it once.
   const bool owner = fused && g.past >= k0 && g.past < k1;
   if (owner) {
-    const TokenStrides ks = p.key_strides;
-    const TokenStrides vs = p.value_strides;
-    const T* ksrc = static_cast<const T*>(p.key) + b * ks.batch + kvh * ks.head;
-    const T* vsrc = static_cast<const T*>(p.value) + b * vs.batch + kvh * vs.head;
     const int64_t coff = b * cs.batch + static_cast<int64_t>(g.past) * cs.token + kvh * cs.head;
     T* kdst = static_cast<T*>(p.key_cache) + coff;
     T* vdst = static_cast<T*>(p.value_cache) + coff;
     const bool write_cache = hc == 0;
-    rope_row<T>(p, ksrc, p.do_rotary, rot_pos, tid, Cfg::kThreads, [&](int d, T v) {
-      new_s[d] = v;
-      if (write_cache) kdst[d] = v;
-    });
-    for (int d = tid; d < D; d += Cfg::kThreads) {
-      const T v = vsrc[d];
-      new_s[D + d] = v;
-      if (write_cache) vdst[d] = v;
+    if (kv_pre) {  // the units read after the PDL wait (cache rows are 16-byte aligned here)
+      if (tid < q_units) {
+        int c0, c1;
+        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
+        uint4 y0, y1;
+        rope_unit_rotate<T>(p, k_pre[0], k_pre[1], p.do_rotary, rot_pos, tid, y0, y1);
+        reinterpret_cast<uint4*>(new_s)[c0] = y0;
+        if (c1 >= 0) reinterpret_cast<uint4*>(new_s)[c1] = y1;
+        if (write_cache) {
+          reinterpret_cast<uint4*>(kdst)[c0] = y0;
+          if (c1 >= 0) reinterpret_cast<uint4*>(kdst)[c1] = y1;
+        }
+      }
+      if (tid < D / kE) {
+        reinterpret_cast<uint4*>(new_s + D)[tid] = v_pre;
+        if (write_cache) reinterpret_cast<uint4*>(vdst)[tid] = v_pre;
+      }
+    } else {
+      rope_row<T>(p, ksrc, p.do_rotary, rot_pos, tid, Cfg::kThreads, [&](int d, T v) {
+        new_s[d] = v;
+        if (write_cache) kdst[d] = v;
+      });
+      for (int d = tid; d < D; d += Cfg::kThreads) {
+        const T v = vsrc[d];
+        new_s[D + d] = v;
+        if (write_cache) vdst[d] = v;
+      }
     }
   }
   __syncthreads();
