@@ -127,11 +127,25 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     generic_to_async_proxy();  // the initialised barriers, before the copies complete on them
   }
 
+  // seqlens_k goes before the PDL wait too (see pdl_early_read in common.cuh): the row's
+  // length, and in fused mode each thread's first row to check. So the row's geometry, its key
+  // range and this split's part of it (two integer divisions) are ready when the wait returns.
+  const int seqlen = pdl_early_read(p.seqlens_k + b);
+  const int first_check_seqlen = fused && tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
+  const RowGeometry g = row_geometry(p, seqlen);
+  // The one query token sits at position query_start; it sees [lo, hi) (used once the row
+  // checks pass).
+  const KeyRange vis = visible_keys(p, g.total, g.query_start);
+  const int n = vis.hi - vis.lo;
+  const int active = active_splits(n, w.max_splits, w.min_split_keys);
+  const int chunk = (n + active - 1) / active;
+  const int k0 = vis.lo + split * chunk;
+  const int k1 = min(vis.hi, k0 + chunk);
+
   pdl_wait();
   pdl_launch_dependents();
 
-  // First the reads that everything about the row's keys waits for.
-  const int seqlen = p.seqlens_k[b];
+  // The error word may be set by the kernel just before: after the wait.
   const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
   // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
   // after the PDL wait: their addresses do not depend on seqlens_k, so their memory round trip
@@ -178,11 +192,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
   }
 
-  const RowGeometry g = row_geometry(p, seqlen);
   uint32_t bad = g.flags | word;
   if (fused) {
     for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
-      const RowGeometry gb = row_geometry(p, p.seqlens_k[bb]);
+      const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
       uint32_t f = gb.flags;
       if (f == 0 && p.do_rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
       if (f != 0) {
@@ -201,14 +214,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     return;
   }
 
-  // The one query token sits at position query_start; it sees [lo, hi).
-  const KeyRange vis = visible_keys(p, g.total, g.query_start);
-  const int n = vis.hi - vis.lo;
-  const int active = active_splits(n, w.max_splits, w.min_split_keys);
   if (split >= active) return;
-  const int chunk = (n + active - 1) / active;
-  const int k0 = vis.lo + split * chunk;
-  const int k1 = min(vis.hi, k0 + chunk);
   const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
   if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
     for (int i = tid; i < nh * D; i += Cfg::kThreads) {

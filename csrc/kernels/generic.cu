@@ -160,28 +160,40 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   const int D = p.head_dim;
   const TokenStrides os = p.output_strides;
   T* out = static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(s) * os.token + h * os.head;
+  // The row's geometry and split count come from seqlens_k, read before the PDL wait
+  // (pdl_early_read): after the wait, only the error word and then the partials are on the path.
+  const RowGeometry g = row_geometry(p, pdl_early_read(p.seqlens_k + b));
+  int active = w.max_splits;  // prefill split-K: every part wrote its partial (-inf where it saw no key)
+  if (p.query_len == 1) {     // decode: the splits this row's length uses
+    const KeyRange vis = visible_keys(p, g.total, g.query_start);
+    active = active_splits(vis.hi - vis.lo, w.max_splits, w.min_split_keys);
+  }
   pdl_wait();
   pdl_launch_dependents();
 
-  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
   if (read_error_word(p.error_word) != 0 || g.flags != 0) {
     for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(quiet_nan());
     return;
   }
-  int active;
-  if (p.query_len == 1) {  // decode: the splits this row's length uses
-    const KeyRange vis = visible_keys(p, g.total, g.query_start);
-    active = active_splits(vis.hi - vis.lo, w.max_splits, w.min_split_keys);
+  if (p.query_len == 1) {
     if (active <= 1) return;  // the attention kernel wrote this row itself
-  } else {  // prefill split-K: every part wrote its partial (-inf where it saw no key)
-    if (s >= g.valid_queries) {  // first-prompt padding: exactly zero
-      for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(0.f);
-      return;
-    }
-    active = w.max_splits;
+  } else if (s >= g.valid_queries) {  // first-prompt padding: exactly zero
+    for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(0.f);
+    return;
   }
 
   const int64_t base = static_cast<int64_t>(idx) * w.max_splits;
+  const int n2 = D / 2;
+  const float2* po = reinterpret_cast<const float2*>(w.partial_out + base * D);
+  constexpr int kBatch = 8;  // loads issued before their first use
+  // This warp's first batch of partial outputs (the lane's first column pair) goes out with the
+  // log-sum-exps: neither depends on the other, so their round trips overlap.
+  float2 first[kBatch];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const int sp = warp + u * kMergeWarps;
+    first[u] = lane < n2 && sp < active ? po[static_cast<int64_t>(sp) * n2 + lane] : make_float2(0.f, 0.f);
+  }
   const float lse = tid < active ? w.partial_lse[base + tid] : -INFINITY;
   float m = warp_max(lse);
   if (lane == 0) s_red[warp] = m;
@@ -206,12 +218,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   if (p.smooth_softmax) den += exp2f(-mx);
   const float inv = den > 0.f ? 1.f / den : 0.f;
 
-  const int n2 = D / 2;
-  const float2* po = reinterpret_cast<const float2*>(w.partial_out + base * D);
-  constexpr int kBatch = 8;  // loads issued before their first use
   for (int c = lane; c < n2; c += 32) {
     float ax = 0.f, ay = 0.f;
     for (int s0 = warp; s0 < active; s0 += kMergeWarps * kBatch) {
+      const bool prefetched = c == lane && s0 == warp;
       float2 v[kBatch];
       float ws[kBatch];
 #pragma unroll
@@ -219,7 +229,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
         const int sp = s0 + u * kMergeWarps;
         const bool ok = sp < active;
         ws[u] = ok ? s_w[sp] : 0.f;
-        v[u] = ok ? po[static_cast<int64_t>(sp) * n2 + c] : make_float2(0.f, 0.f);
+        v[u] = prefetched ? first[u] : ok ? po[static_cast<int64_t>(sp) * n2 + c] : make_float2(0.f, 0.f);
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
