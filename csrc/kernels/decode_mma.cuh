@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // The error word may be set by the kernel just before: after the wait.
   const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
   // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
-  // after the PDL wait: their addresses do not depend on seqlens_k, so their memory round trip
-  // overlaps the seqlens read, the row checks and the first K/V loads instead of following
+  // after the PDL wait (they may be the kernel before's output): their memory round trip
+  // overlaps the error word's, the row checks and the first K/V loads instead of following
   // them. (Nsight Compute, B1 L1024, TMA loader: the Q units' shared stores waiting on their
   // loads and the barrier behind them held 16% of the stall samples; the first K/V wait none.)
   // Not with K in registers (their budget) nor at D = 256 (eight units a thread).
