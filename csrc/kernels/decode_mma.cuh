@@ -128,8 +128,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
 
   // seqlens_k goes before the PDL wait too (see pdl_early_read in common.cuh): the row's
-  // length, and in fused mode each thread's first row to check. So the row's geometry, its key
-  // range and this split's part of it (two integer divisions) are ready when the wait returns.
+  // length, and in fused mode each thread's first row to check, so that neither read is on the
+  // path after the wait. (The row's geometry and this split's part of its keys are written here
+  // too, but nvcc 13.0 places the split's division after the wait, where they are first used;
+  // the branch wip/decode-prewait-settle pins them before it.)
   const int seqlen = pdl_early_read(p.seqlens_k + b);
   const int first_check_seqlen = fused && tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
   const RowGeometry g = row_geometry(p, seqlen);
