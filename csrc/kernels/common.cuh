@@ -41,8 +41,9 @@ struct Work {
 }
 
 // Programmatic dependent launch lets a kernel's launch overlap the tail of the one before it;
-// every kernel here waits (griddepcontrol.wait) before touching global memory, so it is safe
-// after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
+// every kernel here waits (griddepcontrol.wait) before touching global memory that an earlier
+// kernel may write (seqlens_k, which none of ours writes, is read before it: pdl_early_read),
+// so it is safe after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
 bool pdl_enabled();
 
 template <typename... KArgs, typename... Args>
