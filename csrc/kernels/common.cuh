@@ -148,13 +148,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 // A read of seqlens_k before pdl_wait(), so that its round trip runs under the previous
 // kernel's tail. Safe for seqlens_k only: no kernel of this extension writes it, and each of
-// them calls pdl_launch_dependents() only after its own pdl_wait(), so when a grid of ours
-// starts, every kernel that could have written seqlens_k has completed, as long as the caller's
-// kernel that wrote it did not trigger early (PyTorch's copy and elementwise kernels do not;
-// README, Troubleshooting). q, k, v, the caches and the error word can be
-// written by the kernel just before ours (the previous call's output fed back as q, the previous
-// step's append): those are read after the wait. The read bypasses L1 (ld.global.cg), which
-// two overlapping grids on one SM share.
+// them calls pdl_launch_dependents() only after its own pdl_wait(). So when a grid of ours
+// starts, every kernel that could have written seqlens_k has completed, as long as the
+// caller's kernel that wrote it did not trigger early (PyTorch's copy and elementwise kernels
+// do not; README, Troubleshooting). q, k, v, the caches and the error word can be written by
+// the kernel just before ours (the previous call's output fed back as q, the previous step's
+// append): those are read after the wait. The read bypasses L1 (ld.global.cg), which two
+// overlapping grids on one SM share.
 __device__ __forceinline__ int pdl_early_read(const int32_t* ptr) { return __ldcg(ptr); }
 
 __device__ __forceinline__ float warp_max(float x) {
