@@ -30,6 +30,7 @@ STEP_GRID = [(1, 4096, 1000), (8, 4096, 1000), (8, 32768, 4000), (32, 8192, 8000
 DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
+MERGE_COLUMNS = ["kernel", "cluster"]
 
 
 def latency_bound(b, hq, hkv, d, length):
@@ -90,6 +91,14 @@ def decode_table(args):
                 t_loader[loader] = time_graph(ours, n)
             finally:
                 gqa_torch._C._set_decode_loader("auto")
+        # The splits merged always by the merge kernel, and always in the decode kernel's launch
+        # (a thread-block cluster of them, wherever one can run); auto picks per shape.
+        for merge in MERGE_COLUMNS:
+            gqa_torch._C._set_decode_merge(merge)
+            try:
+                t_loader[f"merge_{merge}"] = time_graph(ours, n)
+            finally:
+                gqa_torch._C._set_decode_merge("auto")
         ks, vs = [c[0] for c in caches], [c[1] for c in caches]
         t_flash = time_sdpa(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
         t_cudnn = time_sdpa(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
@@ -220,7 +229,7 @@ def main():
     out = []
     if args.only in (None, "decode"):
         rows = decode_table(args)
-        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],

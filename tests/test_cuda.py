@@ -312,11 +312,26 @@ def test_cuda_prefill_split_k(seq, dtype, head_dim, prefill_route):
         _run_cuda_and_cpu(case)
 
 
+def _cluster_merge_available():
+    return torch.cuda.get_device_capability()[0] == 9 and "9.0a" in gqa_torch.build_info()["cuda_archs"]
+
+
+@pytest.fixture(params=["auto", "kernel"])
+def decode_merge(request):
+    """Runs the test with the tensor-core decode kernel's splits merged inside its launch,
+    through a thread-block cluster ("auto", on an sm90 GPU in a 9.0a build), and by the merge
+    kernel ("kernel", the only way elsewhere)."""
+    gqa_torch._C._set_decode_merge(request.param)
+    yield request.param
+    gqa_torch._C._set_decode_merge("auto")
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("batch,past", [(1, [4000]), (4, [1, 900, 3000, 257]), (2, [255, 256])])
 @pytest.mark.parametrize("op", ["inplace", "functional"])
-def test_cuda_decode(dtype, batch, past, op):
-    """Decode (S = 1) with short and long ragged rows: split-K and its merge, every feature."""
+def test_cuda_decode(dtype, batch, past, op, decode_merge):
+    """Decode (S = 1) with short and long ragged rows: split-K and its merge (in a cluster or by
+    the merge kernel), every feature."""
     for i, feat in enumerate(FEATURE_CYCLE):
         capacity = max(past) + 16
         case = make_case(op, batch=batch, seq=1, num_heads=8, kv_num_heads=[1, 2, 8][i % 3], head_dim=[64, 128][i % 2],
@@ -399,6 +414,52 @@ def _capture(call, warmups=1, during_capture=None):
     return graph, out
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("max_splits", [2, 3, 6, 16])
+def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
+    """Split counts from 2 to 16 (the cluster sizes the in-launch merge takes) with the smallest
+    split one key, on rows of 1 to 700 keys: 9 keys in 6 splits of 2 leave the sixth split
+    empty (zero weight), short rows use fewer splits than the grid has, one row one split (the
+    kernel writes it directly), and every feature."""
+    gqa_torch._C._set_decode_split_override(max_splits, 1)
+    try:
+        for i, feat in enumerate(FEATURE_CYCLE):
+            case = make_case(["inplace", "functional"][i % 2], batch=5, seq=1, num_heads=[8, 20][i % 2],
+                             kv_num_heads=[2, 1][i % 2], head_dim=[64, 128, 256][i % 3], capacity=720,
+                             past_lengths=[0, 4, 8, 16, 699], dtype=DTYPES[dtype], layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+    finally:
+        gqa_torch._C._set_decode_split_override(0, 0)
+
+
+def _cuda_kernel_names(call):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("batch,merge,in_launch", [(8, "kernel", False), (8, "auto", True), (1, "auto", False),
+                                                   (1, "cluster", True)])
+def test_cuda_decode_merge_switch_picks_the_kernels(batch, merge, in_launch):
+    """32/8 heads, B = 8 in 2 splits and B = 1 in 16 (the H200 plan's counts, pinned). "kernel" runs the
+    merge kernel after the decode kernel; "auto" merges pairs of splits in the launch (where a
+    cluster can run: an sm90 GPU, a 9.0a build) and leaves 16 to the merge kernel; "cluster"
+    merges 16 in the launch too."""
+    case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=128, capacity=2048,
+                     past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
+    in_launch = in_launch and _cluster_merge_available()
+    try:
+        gqa_torch._C._set_decode_merge(merge)
+        gqa_torch._C._set_decode_split_override(2 if batch == 8 else 16, 0)
+        names = _cuda_kernel_names(lambda: case.clone().run())
+    finally:
+        gqa_torch._C._set_decode_merge("auto")
+        gqa_torch._C._set_decode_split_override(0, 0)
+    assert any("decode_mma_kernel" in n for n in names), names
+    assert any("merge_kernel" in n for n in names) == (not in_launch), names
+
+
 def test_cuda_graph_decode_replay_50_steps():
     """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
     inputs change: every replay is checked against the reference (output and caches)."""
@@ -434,6 +495,31 @@ def test_cuda_graph_decode_replay_50_steps():
         ref_out, ref_k, ref_v = before.reference()
         assert_output_close(static_out, ref_out, before, suite="cuda_graph")
         check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, decode_merge):
+    """A bad row among valid ones on the tensor-core decode kernel (fused in place), with each
+    loader and each merge: no cache byte changes (guard regions included), every output is NaN
+    (a bad row anywhere poisons the fused call), a later valid call is NaN too while the word is
+    set, and check_errors() raises the capacity flag. Rows 0 and 2 are long enough to split."""
+    case = make_case("inplace", batch=3, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=2048,
+                     past_lengths=[1900, 3, 700], strided=True, dtype=DTYPES[dtype], device="cuda",
+                     poison_unused=False)
+    case.seqlens_k[1] = 2048  # total 2049 > capacity
+    before = case.clone()
+    out = case.run()
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "every row of a fused call with a bad row must be NaN"
+    _assert_untouched_except_valid_rows(before, case, written_rows=[])
+    valid = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=2048,
+                      past_lengths=[1900, 700], dtype=DTYPES[dtype], device="cuda")
+    assert torch.isnan(valid.clone().run()).all(), "the set word poisons later calls until it is cleared"
+    with pytest.raises(gqa_torch.GQAError) as info:
+        gqa_torch.check_errors()
+    assert info.value.flags == gerr.CAPACITY
+    run_and_check(valid, rotary_ulps=ROTARY_ULPS, suite="cuda")  # cleared: the next call is right
 
 
 def test_cuda_graph_replay_with_bad_row_sets_flags():

@@ -30,6 +30,10 @@ struct Work {
   float* partial_lse = nullptr;  // [B, S, Hq, max_splits]: its log-sum-exp, log2 domain
   int32_t max_splits = 1;
   int32_t min_split_keys = 1;
+  // Decode on tensor cores: the grid's x dimension (the splits) is one thread-block cluster, and
+  // its CTAs merge their partial outputs through distributed shared memory, so no merge kernel
+  // runs and partial_out / partial_lse are not used (decode_mma.cuh).
+  int32_t cluster_merge = 0;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -46,19 +50,36 @@ struct Work {
 // so it is safe after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
 bool pdl_enabled();
 
+// `cluster_x` > 1: clusters of that many CTAs along x (grid.x must be a multiple of it; see
+// cluster.cuh for whether a shape runs), each spread over the SMs of its GPC (the policy made
+// no difference where measured, H200 decode).
 template <typename... KArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, Args... args) {
+void launch_kernel_clustered(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, int cluster_x, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[3];
+  int n = 0;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = static_cast<unsigned>(cluster_x);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+    attr[n].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+    attr[n].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicySpread;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = n;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -66,6 +87,12 @@ void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 b
   }
   e = cudaGetLastError();
   if (e != cudaSuccess) throw_cuda(e, name);
+}
+
+template <typename... KArgs, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args... args) {
+  launch_kernel_clustered(name, kernel, grid, block, smem, stream, 1, args...);
 }
 
 // Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is

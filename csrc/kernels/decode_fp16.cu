@@ -6,8 +6,8 @@ namespace gqa {
 namespace cuda {
 namespace detail {
 
-void launch_decode_mma_fp16(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
-  launch_decode_mma_t<__half>(p, w, fused, stream);
+bool launch_decode_mma_fp16(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
+  return launch_decode_mma_t<__half>(p, w, fused, stream);
 }
 
 }  // namespace detail

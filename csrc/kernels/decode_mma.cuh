@@ -10,7 +10,9 @@
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
-// partial output and log-sum-exp for the merge kernel.
+// partial output and log-sum-exp for the merge kernel, or (w.cluster_merge: the splits of one
+// (row, kv head, head chunk) form one thread-block cluster) the splits merge through
+// distributed shared memory (cluster_merge_splits) and no merge kernel runs.
 //
 // `fused` (in-place op): no prep launch ran. Every CTA checks all rows itself (so a bad row
 // anywhere makes the whole call NaN, as the error word would), the CTA whose range holds the
@@ -19,6 +21,7 @@
 // read that cache row.
 #pragma once
 
+#include "cluster.cuh"
 #include "common.cuh"
 #include "tma.cuh"
 
@@ -62,7 +65,9 @@ struct DecodeCfg {
   static_assert(!kTma || D % 64 == 0, "the TMA boxes are 64 columns wide");
   static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
-  static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "combine buffer must fit in the stages");
+  // The stages, once drained, hold the warps' combine buffer [kWarps][16][D] and after it the
+  // CTA's summed output rows [16][D] that a cluster merge reads (floats).
+  static_assert((kWarps + 1) * 16 * D * 4 <= kStages * kStageBytes, "combine buffers must fit in the stages");
 };
 
 // The K and V cache maps of the TMA loader (unused by the cp.async one).
@@ -70,6 +75,76 @@ struct DecodeCacheMaps {
   CUtensorMap k;
   CUtensorMap v;
 };
+
+// w.cluster_merge: the cluster's CTAs (one per split, cluster rank = split) each hold their
+// split's state for the CTA's query heads: fin_ml (running max, log2 domain, and sum) and
+// x_out[16][D] (the output sum relative to that max). After a cluster barrier, the output rows'
+// float4 units are dealt round-robin over the active splits' threads; each such thread reads
+// its unit, with every active split's max and sum and every CTA's status, from the other CTAs'
+// shared memory (all loads issued before any is used), combines them, and writes the output
+// (NaN if any CTA of the cluster took the error path). A second barrier keeps every CTA's
+// shared memory alive until the last read.
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void cluster_merge_splits(const Params& p, int active, int h0, int nh, T* out_row,
+                                                     const float2* fin_ml, const float* x_out,
+                                                     const uint32_t* x_status) {
+  cluster_sync();
+  const uint32_t ml_local = static_cast<uint32_t>(__cvta_generic_to_shared(fin_ml));
+  const uint32_t out_local = static_cast<uint32_t>(__cvta_generic_to_shared(x_out));
+  const uint32_t status_local = static_cast<uint32_t>(__cvta_generic_to_shared(x_status));
+  const int cluster_size = static_cast<int>(gridDim.x);
+  const int split = static_cast<int>(blockIdx.x);
+  constexpr int kUnitsPerRow = D / 4;
+  const int64_t head_stride = p.output_strides.head;
+  for (int i = static_cast<int>(threadIdx.x) * active + split; i < nh * kUnitsPerRow; i += kThreads * active) {
+    const int row = i / kUnitsPerRow;
+    const int d = 4 * (i - row * kUnitsPerRow);
+    float2 ml[kMaxClusterSize];
+    float4 part[kMaxClusterSize];
+    uint32_t status = 0;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSize; ++s) {
+      if (s < cluster_size) status |= cluster_load_u32(cluster_map(status_local, s));
+      if (s < active) {
+        const uint32_t ml_addr = cluster_map(ml_local + 8u * row, s);
+        ml[s] = make_float2(cluster_load_f32(ml_addr), cluster_load_f32(ml_addr + 4u));
+        part[s] = cluster_load_f32x4(cluster_map(out_local + 4u * (row * D + d), s));
+      }
+    }
+    float m = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSize; ++s) {
+      if (s < active) m = fmaxf(m, ml[s].x);
+    }
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSize; ++s) {
+      if (s < active && ml[s].x != -INFINITY) {  // an empty split's x_out was never written
+        const float e = exp2f(ml[s].x - m);
+        l = fmaf(ml[s].y, e, l);
+        acc.x = fmaf(part[s].x, e, acc.x);
+        acc.y = fmaf(part[s].y, e, acc.y);
+        acc.z = fmaf(part[s].z, e, acc.z);
+        acc.w = fmaf(part[s].w, e, acc.w);
+      }
+    }
+    const float f = status != 0 ? quiet_nan() : final_factor(p, h0 + row, m, l);
+    T* dst = out_row + (h0 + row) * head_stride + d;
+    dst[0] = from_f<T>(acc.x * f);
+    dst[1] = from_f<T>(acc.y * f);
+    dst[2] = from_f<T>(acc.z * f);
+    dst[3] = from_f<T>(acc.w * f);
+  }
+  cluster_sync();
+}
+
+// The CTAs of a merging cluster that contribute nothing (past the row's active splits, or on
+// the error path) still meet both of its barriers.
+__device__ __forceinline__ void cluster_idle() {
+  cluster_sync();
+  cluster_sync();
+}
 
 // kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 keys of every tile as TMA
 // boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
@@ -92,10 +167,13 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   if constexpr (kTma) stages += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(stages)) & 1023u)) & 1023u;
   T* kv_s = reinterpret_cast<T*>(stages);
   T* new_s = reinterpret_cast<T*>(stages + kStages * Cfg::kStageBytes);
+  // w.cluster_merge: this CTA's summed output rows [16][D], after the warps' combine buffer in
+  // the drained stages (the same address in every CTA, which the other CTAs map and read).
+  float* const x_out = reinterpret_cast<float*>(stages) + Cfg::kWarps * 16 * D;
   __shared__ float red_m[Cfg::kWarps][16];
   __shared__ float red_l[Cfg::kWarps][16];
-  __shared__ float fin_m[16];
-  __shared__ float fin_l[16];
+  __shared__ float2 fin_ml[16];  // per query head: the CTA's running max (log2) and sum
+  __shared__ uint32_t x_status;  // w.cluster_merge: nonzero when this CTA took the error path
   __shared__ __align__(8) uint64_t slice_full[kTma ? Cfg::kWarps * kStages : 1];  // [warp][stage]
 
   const int tid = threadIdx.x;
@@ -114,6 +192,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 
   // Work that reads nothing an earlier kernel writes runs before the PDL wait, under the tail of
   // the kernel before: this warp's stage barriers, and the tensor maps' prefetch.
+  if (tid == 0) x_status = 0u;
   const uint32_t slice_bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
   if constexpr (kTma) {
     if (lane == 0) {
@@ -213,12 +292,27 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
         out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
       }
     }
+    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
+    // same for all of them), unless the error word changed between their reads of it (another
+    // stream's call): then they merge, see this status, and write NaN as well.
+    if (w.cluster_merge) {
+      if (tid == 0) x_status = 1u;
+      cluster_idle();
+    }
     return;
   }
 
-  if (split >= active) return;
+  if (split >= active) {
+    if (w.cluster_merge) cluster_idle();
+    return;
+  }
   const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
   if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
+    if (w.cluster_merge) {
+      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
+      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
+      return;
+    }
     for (int i = tid; i < nh * D; i += Cfg::kThreads) {
       const int r = i / D;
       const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
@@ -646,8 +740,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       const float mw = red_m[ww][tid];
       if (mw != -INFINITY) L += red_l[ww][tid] * exp2f(mw - M);
     }
-    fin_m[tid] = M;
-    fin_l[tid] = L;
+    fin_ml[tid] = make_float2(M, L);
   }
   __syncthreads();
 
@@ -665,9 +758,11 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       acc.z += v.z;
       acc.w += v.w;
     }
-    const float M = fin_m[row];
-    const float L = fin_l[row];
-    if (active == 1) {
+    const float M = fin_ml[row].x;
+    const float L = fin_ml[row].y;
+    if (w.cluster_merge && active > 1) {
+      *reinterpret_cast<float4*>(x_out + row * D + d) = acc;
+    } else if (active == 1) {
       const float f = final_factor(p, h0 + row, M, L);
       T* dst = out_row + (h0 + row) * os.head + d;
       dst[0] = from_f<T>(acc.x * f);
@@ -680,6 +775,13 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (d == 0) w.partial_lse[slot] = M + log2f(L);
     }
   }
+  if (w.cluster_merge) {
+    if (active > 1) {
+      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
+    } else {
+      cluster_idle();
+    }
+  }
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build, at head sizes 64,
@@ -687,19 +789,41 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 // TMA for both; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
 // loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
+// set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
+// a cluster wherever one can run.
+extern std::atomic<int> g_decode_merge;
 
+// Returns whether the splits merged inside this launch (a cluster a (row, kv head, head
+// chunk)); otherwise, with several splits, the caller runs the merge kernel.
 template <typename T, int D, int kLoader>
-void launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
+bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = (p.group_size + 15) / 16;
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
+  const dim3 block(DecodeCfg<D>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader>;
   constexpr size_t smem = DecodeCfg<D, kLoader>::kSmem;
   ensure_smem<kernel>(smem, "decode_mma_kernel");
-  launch_kernel("decode_mma_kernel", kernel, grid, dim3(DecodeCfg<D>::kThreads), smem, stream, p, w, fused ? 1 : 0, maps);
+  // Auto merges in a cluster only in pairs of splits, and only while every CTA of the launch is
+  // resident at once. On an H200 larger clusters lost to the merge kernel wherever they were
+  // measured (B1 L32768, clusters of 16: 53 us against 41; B8 L1024 in clusters of 4: 24
+  // against 18), as did pairs with more CTAs than fit (B8 L32768 in clusters of 8: 297 against
+  // 257); pairs that fit won (B8 L1024: 14.9 against 17.0).
+  constexpr int kAutoMaxCluster = 2;
+  const int merge = g_decode_merge.load(std::memory_order_relaxed);
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  const bool all_resident =
+      ctas <= static_cast<int64_t>(resident_ctas_per_sm<kernel>(block, smem)) * device_attribute<cudaDevAttrMultiProcessorCount>();
+  Work wk = w;
+  wk.cluster_merge = w.max_splits > 1 && merge != 1 && kBuiltSm90a && device_is_sm90() &&
+                     (merge == 2 || (w.max_splits <= kAutoMaxCluster && all_resident)) &&
+                     cluster_shape_runs<kernel>(w.max_splits, block, smem);
+  launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
+                          wk, fused ? 1 : 0, maps);
+  return wk.cluster_merge != 0;
 }
 
 template <typename T, int D>
-void launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
+bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
   bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
@@ -716,17 +840,17 @@ void launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   if constexpr (D % 64 == 0) {
     if (tma) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
-  launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
+  return launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
 }
 
 template <typename T>
-void launch_decode_mma_t(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
+bool launch_decode_mma_t(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: launch_decode_mma_d<T, 64>(p, w, fused, stream); break;
-    case 80: launch_decode_mma_d<T, 80>(p, w, fused, stream); break;
-    case 96: launch_decode_mma_d<T, 96>(p, w, fused, stream); break;
-    case 128: launch_decode_mma_d<T, 128>(p, w, fused, stream); break;
-    case 256: launch_decode_mma_d<T, 256>(p, w, fused, stream); break;
+    case 64: return launch_decode_mma_d<T, 64>(p, w, fused, stream);
+    case 80: return launch_decode_mma_d<T, 80>(p, w, fused, stream);
+    case 96: return launch_decode_mma_d<T, 96>(p, w, fused, stream);
+    case 128: return launch_decode_mma_d<T, 128>(p, w, fused, stream);
+    case 256: return launch_decode_mma_d<T, 256>(p, w, fused, stream);
     default: throw std::runtime_error("gqa: internal error: no tensor-core decode for this head size");
   }
 }

@@ -21,9 +21,10 @@ void launch_validate_rows(const Params& p, cudaStream_t stream);
 void launch_prep(const Params& p, bool check_positions, cudaStream_t stream, bool rope_q = false);
 
 // decode_*.cu: S == 1 on tensor cores. `fused`: in-place op, the kernel also validates the
-// rows and appends the new K/V itself (no prep launch).
-void launch_decode_mma_bf16(const Params& p, const Work& w, bool fused, cudaStream_t stream);
-void launch_decode_mma_fp16(const Params& p, const Work& w, bool fused, cudaStream_t stream);
+// rows and appends the new K/V itself (no prep launch). Returns whether the kernel merged its
+// splits itself (thread-block clusters); otherwise, with several splits, launch_merge follows.
+bool launch_decode_mma_bf16(const Params& p, const Work& w, bool fused, cudaStream_t stream);
+bool launch_decode_mma_fp16(const Params& p, const Work& w, bool fused, cudaStream_t stream);
 
 // generic.cu: any dtype, any even head size, any alignment (CUDA cores), S == 1 with split-K
 // or S > 1; and the split-K merge.

@@ -2,6 +2,8 @@
 //
 //   decode, in-place, tensor-core eligible:  decode_mma(fused)          [+ merge]
 //   decode, otherwise:                       prep -> decode_mma|generic [+ merge]
+//   (decode_mma merges its own splits in a thread-block cluster, with no merge kernel, when
+//   launch_decode_loader picks that: see set_decode_merge)
 //   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu) [+ merge]|generic
 //
 // Tensor-core eligible: fp16/bf16, D in {64, 80, 96, 128, 256}, and a cache whose rows are
@@ -16,9 +18,11 @@ namespace cuda {
 
 namespace detail {
 std::atomic<int> g_decode_loader{0};
+std::atomic<int> g_decode_merge{0};
 }
 
 void set_decode_loader(int loader) { detail::g_decode_loader.store(loader, std::memory_order_relaxed); }
+void set_decode_merge(int merge) { detail::g_decode_merge.store(merge, std::memory_order_relaxed); }
 
 namespace {
 
@@ -56,16 +60,14 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
   if (plan.route == Route::kDecode) {
     const bool fused = tc && p.inplace;
     if (!fused) detail::launch_prep(p, /*check_positions=*/true, stream);
+    bool merged = false;
     if (tc) {
-      if (p.dtype == DType::kBFloat16) {
-        detail::launch_decode_mma_bf16(p, w, fused, stream);
-      } else {
-        detail::launch_decode_mma_fp16(p, w, fused, stream);
-      }
+      merged = p.dtype == DType::kBFloat16 ? detail::launch_decode_mma_bf16(p, w, fused, stream)
+                                           : detail::launch_decode_mma_fp16(p, w, fused, stream);
     } else {
       detail::launch_generic(p, w, stream);
     }
-    if (w.max_splits > 1) detail::launch_merge(p, w, stream);
+    if (w.max_splits > 1 && !merged) detail::launch_merge(p, w, stream);
     return;
   }
 

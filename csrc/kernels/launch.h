@@ -19,5 +19,11 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // loads into the mma fragments and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
 
+// Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (inside
+// the launch, through a thread-block cluster of the splits, when they are two and every CTA of
+// the launch is resident at once, on an sm90 device in an sm90a build; else the merge kernel),
+// 1 the merge kernel always, 2 a cluster wherever one can run (at most 16 splits).
+void set_decode_merge(int merge);
+
 }  // namespace cuda
 }  // namespace gqa

@@ -40,6 +40,12 @@ void set_prefill_q_loader(const std::string& loader);
 // cp.async), "cp_async" or "tma" (where it can run). No-op in a CPU-only build.
 void set_decode_loader(const std::string& loader);
 
+// Tests and benchmarks: how the tensor-core decode kernel's key-range splits are merged, "auto"
+// (the default: see kernels/launch.h), "kernel" (the merge kernel always) or "cluster" (inside
+// the launch, through a thread-block cluster of the splits, wherever one can run: sm90, an
+// sm90a build, at most 16 splits). No-op in a CPU-only build.
+void set_decode_merge(const std::string& merge);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

@@ -20,6 +20,10 @@ PYBIND11_MODULE(_C, m) {
         "default) or \"cp_async\".");
   m.def("_set_decode_loader", &gqa::set_decode_loader, pybind11::arg("loader"),
         "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\" or \"tma\".");
+  m.def("_set_decode_merge", &gqa::set_decode_merge, pybind11::arg("merge"),
+        "Tests and benchmarks: how the decode kernel's key-range splits are merged, \"auto\" (the default: "
+        "pairs of splits inside the launch, through a thread-block cluster, where one can run), \"kernel\" "
+        "(the merge kernel always) or \"cluster\" (a cluster wherever one can run).");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("error_flag_messages", []() {
