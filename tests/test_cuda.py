@@ -456,6 +456,8 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, merge, in_launch):
     finally:
         gqa_torch._C._set_decode_merge("auto")
         gqa_torch._C._set_decode_split_override(0, 0)
+    if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
+        pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
     assert any("decode_mma_kernel" in n for n in names), names
     assert any("merge_kernel" in n for n in names) == (not in_launch), names
 
