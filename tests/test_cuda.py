@@ -316,11 +316,12 @@ def _cluster_merge_available():
     return torch.cuda.get_device_capability()[0] == 9 and "9.0a" in gqa_torch.build_info()["cuda_archs"]
 
 
-@pytest.fixture(params=["auto", "kernel"])
+@pytest.fixture(params=["auto", "kernel", "cluster"])
 def decode_merge(request):
-    """Runs the test with the tensor-core decode kernel's splits merged inside its launch,
-    through a thread-block cluster ("auto", on an sm90 GPU in a 9.0a build), and by the merge
-    kernel ("kernel", the only way elsewhere)."""
+    """Runs the test with each way of merging the tensor-core decode kernel's splits: "auto"
+    (inside the launch, through a thread-block cluster, for pairs of splits on an sm90 GPU in a
+    9.0a build), "kernel" (the merge kernel, the only way elsewhere) and "cluster" (a cluster
+    wherever one can run, up to 16 splits)."""
     gqa_torch._C._set_decode_merge(request.param)
     yield request.param
     gqa_torch._C._set_decode_merge("auto")
@@ -505,7 +506,16 @@ def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, dec
     """A bad row among valid ones on the tensor-core decode kernel (fused in place), with each
     loader and each merge: no cache byte changes (guard regions included), every output is NaN
     (a bad row anywhere poisons the fused call), a later valid call is NaN too while the word is
-    set, and check_errors() raises the capacity flag. Rows 0 and 2 are long enough to split."""
+    set, and check_errors() raises the capacity flag. Every row takes 2 splits (pinned), which auto
+    merges in a cluster: its error path, where every CTA of the cluster meets both barriers."""
+    gqa_torch._C._set_decode_split_override(2, 0)
+    try:
+        _check_bad_row_on_tensor_cores(dtype, head_dim)
+    finally:
+        gqa_torch._C._set_decode_split_override(0, 0)
+
+
+def _check_bad_row_on_tensor_cores(dtype, head_dim):
     case = make_case("inplace", batch=3, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=2048,
                      past_lengths=[1900, 3, 700], strided=True, dtype=DTYPES[dtype], device="cuda",
                      poison_unused=False)
