@@ -101,8 +101,8 @@ __device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {
 }
 
 // Loads from another CTA's shared memory (an address from cluster_map). Volatile, so that they
-// stay after the cluster_sync that published the data; issued back to back, their round trips
-// overlap.
+// stay after the cluster_sync that published the data; those issued back to back overlap their
+// round trips.
 __device__ __forceinline__ float cluster_load_f32(uint32_t addr) {
   float v = 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -81,9 +81,9 @@ struct DecodeCacheMaps {
 // x_out[16][D] (the output sum relative to that max). After a cluster barrier, the output rows'
 // float4 units are dealt round-robin over the active splits' threads; each such thread reads
 // its unit, with every active split's max and sum and every CTA's status, from the other CTAs'
-// shared memory (all loads issued before any is used), combines them, and writes the output
-// (NaN if any CTA of the cluster took the error path). A second barrier keeps every CTA's
-// shared memory alive until the last read.
+// shared memory (the loads come first in the source; ptxas puts some of the max between them),
+// combines them, and writes the output (NaN if any CTA of the cluster took the error path). A
+// second barrier keeps every CTA's shared memory alive until the last read.
 template <typename T, int D, int kThreads>
 __device__ __forceinline__ void cluster_merge_splits(const Params& p, int active, int h0, int nh, T* out_row,
                                                      const float2* fin_ml, const float* x_out,
