@@ -784,10 +784,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
 }
 
-// set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build, at head sizes 64,
-// 128 and 256: K by plain loads and V by TMA at 64 and 128 with two CTAs an SM or more, else
-// TMA for both; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
-// loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
+// set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: K by plain loads
+// and V by TMA at head sizes 64 and 128 with two CTAs an SM or more, else TMA for both at 128
+// and 256; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
+// into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
 // a cluster wherever one can run.
@@ -837,8 +837,12 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     if (tma && (pinned == 3 || (pinned == 0 && many_ctas)))
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
+  // With one CTA an SM at D = 64, auto takes cp.async: in three runs of the eleventh H200 round
+  // it read 6% under TMA on both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5
+  // against 13.3); at D = 128 and 256 TMA is as fast or faster.
+  constexpr bool kAutoTma = D != 64;
   if constexpr (D % 64 == 0) {
-    if (tma) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
+    if (tma && (pinned == 2 || kAutoTma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
   return launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
 }

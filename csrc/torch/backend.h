@@ -35,9 +35,9 @@ void set_prefill_route(const std::string& route);
 // by TMA where it can) or "cp_async" (kernels/prefill_mma.h). No-op in a CPU-only build.
 void set_prefill_q_loader(const std::string& loader);
 
-// Tests and benchmarks: the tensor-core decode kernel's loader, "auto" (the default: TMA onto
-// per-warp mbarriers on an sm90 device in an sm90a build at head sizes 64, 128 and 256, else
-// cp.async), "cp_async" or "tma" (where it can run). No-op in a CPU-only build.
+// Tests and benchmarks: the tensor-core decode kernel's loader, "auto" (the default: see
+// kernels/launch.h), "cp_async", "tma" or "regs_k" (where they can run). No-op in a CPU-only
+// build.
 void set_decode_loader(const std::string& loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's key-range splits are merged, "auto"

@@ -19,7 +19,8 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: how the warp-specialised prefill stages Q, \"auto\" (TMA where it can, the "
         "default) or \"cp_async\".");
   m.def("_set_decode_loader", &gqa::set_decode_loader, pybind11::arg("loader"),
-        "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\" or \"tma\".");
+        "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\", \"tma\" or "
+        "\"regs_k\".");
   m.def("_set_decode_merge", &gqa::set_decode_merge, pybind11::arg("merge"),
         "Tests and benchmarks: how the decode kernel's key-range splits are merged, \"auto\" (the default: "
         "pairs of splits inside the launch, through a thread-block cluster, where one can run), \"kernel\" "
