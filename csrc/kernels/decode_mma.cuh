@@ -785,8 +785,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: K by plain loads
-// and V by TMA at head sizes 64 and 128 with two CTAs an SM or more, else TMA for both at 128
-// and 256; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
+// and V by TMA at head sizes 64 and 128 with more CTAs than SMs and 2,048 keys of capacity a
+// split or more, else TMA for both at 128 and 256; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
 // into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
@@ -830,11 +830,15 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
   if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
   if constexpr (D == 64 || D == 128) {
-    // Auto takes K into registers where at least two CTAs an SM stream (their K loads in flight
-    // add up; with one CTA an SM the TMA loader keeps more bytes in flight).
+    // Auto takes K into registers where more CTAs than SMs stream long key ranges (their K loads
+    // in flight add up; with one CTA an SM the TMA loader keeps more bytes in flight, and short
+    // ranges favour it too). Eleventh H200 round, three runs each: B64 L1024 (1,024 keys a CTA)
+    // read 73.0 us with TMA against 76.0 with K in registers; B16 64/8 L8192 (256 CTAs of 4,096
+    // keys) 133 with K in registers against 137.
     const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * ((p.group_size + 15) / 16) * p.batch;
-    const bool many_ctas = ctas >= 2 * static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
-    if (tma && (pinned == 3 || (pinned == 0 && many_ctas)))
+    const bool many_ctas = ctas >= static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
+    const bool long_ranges = p.capacity / w.max_splits >= 2048;
+    if (tma && (pinned == 3 || (pinned == 0 && many_ctas && long_ranges)))
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
   // With one CTA an SM at D = 64, auto takes cp.async: in three runs of the eleventh H200 round

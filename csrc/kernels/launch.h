@@ -14,10 +14,10 @@ namespace cuda {
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
-// sm90a build: "regs_k" at head sizes 64 and 128 where two CTAs an SM or more stream, else TMA
-// onto per-warp mbarriers at 128 and 256; cp.async otherwise), 1 cp.async always, 2 TMA where
-// it can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads into the mma fragments
-// and V by TMA where that can run (head sizes 64 and 128).
+// sm90a build: "regs_k" at head sizes 64 and 128 where more CTAs than SMs stream long key
+// ranges, else TMA onto per-warp mbarriers at 128 and 256; cp.async otherwise), 1 cp.async
+// always, 2 TMA where it can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads
+// into the mma fragments and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (inside
