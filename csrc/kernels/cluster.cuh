@@ -88,6 +88,17 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// A cluster barrier that orders nothing: for "every CTA is done reading the others' shared
+// memory" (loads whose values were used are complete), where cluster_sync's release would
+// also wait for this thread's global stores to be visible GPU-wide (MEMBAR.ALL.GPU in SASS).
+__device__ __forceinline__ void cluster_sync_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
 // The address, in the cluster's shared window, of `local` (a shared-memory address of this
 // CTA) in the CTA of cluster rank `rank`.
 __device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {

@@ -136,14 +136,16 @@ __device__ __forceinline__ void cluster_merge_splits(const Params& p, int active
     dst[2] = from_f<T>(acc.z * f);
     dst[3] = from_f<T>(acc.w * f);
   }
-  cluster_sync();
+  // Every value read above was used, so the reads are complete: no release needed (one would
+  // wait for the output stores).
+  cluster_sync_relaxed();
 }
 
 // The CTAs of a merging cluster that contribute nothing (past the row's active splits, or on
 // the error path) still meet both of its barriers.
 __device__ __forceinline__ void cluster_idle() {
-  cluster_sync();
-  cluster_sync();
+  cluster_sync();  // releases x_status
+  cluster_sync_relaxed();
 }
 
 // kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 keys of every tile as TMA
