@@ -94,6 +94,12 @@ def attention_rows(args, ceiling):
                                              num_heads=HQ, kv_num_heads=HKV, do_rotary=True)
 
         t_ours = time_graph(ours, n)
+        # The same call with prep appending the new rows, instead of the attention kernel.
+        gqa_torch._C._set_prefill_append("prep")
+        try:
+            t_prep_append = time_graph(ours, n)
+        finally:
+            gqa_torch._C._set_prefill_append("auto")
         t_whole = time_graph(ours_whole, n)
         # Each kernel pinned (ROUTES), next to the default route ("ours").
         t_route = {}
@@ -133,14 +139,14 @@ def attention_rows(args, ceiling):
             t_unfused = float("nan")
         flops = causal_flops(b, length, d)
         tf = lambda t: flops / (t * 1e-6) / 1e12  # noqa: E731
-        row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours),
+        row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours), prep_append_us=t_prep_append,
                    **{f"{route}_TFLOPs": tf(t_route[route]) for route in ROUTES},
                    flash_TFLOPs=tf(t_flash),
                    cudnn_TFLOPs=tf(t_cudnn), flex_TFLOPs=tf(t_flex), vs_flash=t_flash / t_ours,
                    vs_cudnn=t_cudnn / t_ours, pct_of_gemm=100 * tf(t_ours) / ceiling,
                    whole_op_us=t_whole, rope_write_cudnn_us=t_unfused, whole_vs_unfused=t_unfused / t_whole)
         routes = ", ".join(f"{route} {row[route + '_TFLOPs']:.0f}" for route in ROUTES)
-        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s ({routes}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
+        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s, {t_ours:.0f} us ({t_prep_append:.0f} us with prep's append; {routes}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
                  f"{row['cudnn_TFLOPs']:.0f} | flex {row['flex_TFLOPs']:.0f} | whole {t_whole:.0f} us vs "
                  f"RoPE+write+cuDNN {t_unfused:.0f} us")
         rows.append(row)
@@ -224,7 +230,8 @@ def main():
                 gemm_TFLOPs=round(ceiling, 1), timing="median of CUDA-graph replays, inputs rotated beyond L2")
     progress(f"  {ceiling:.0f} TFLOP/s")
     rows = attention_rows(args, ceiling)
-    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", *[f"{route}_TFLOPs" for route in ROUTES], "flash_TFLOPs",
+    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", "prep_append_us", *[f"{route}_TFLOPs" for route in ROUTES],
+            "flash_TFLOPs",
             "cudnn_TFLOPs", "flex_TFLOPs", "vs_flash", "vs_cudnn", "pct_of_gemm", "whole_op_us", "rope_write_cudnn_us", "whole_vs_unfused"]
     text = write_tables("prefill", meta, rows, cols, "Causal prefill, bf16, 32/8 heads")
     bar_plot("prefill", [f"B{r['B']} L{r['L']} D{r['D']}" for r in rows],
