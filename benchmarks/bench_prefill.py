@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import bar_plot, progress, sets_for_bytes, time_graph, warm_up_gpu, write_tables
+from common import bar_plot, progress, sets_for_bytes, time_graph, time_graphs_interleaved, warm_up_gpu, write_tables
 
 # The prefill kernels timed side by side (gqa_torch._C._set_prefill_route); "ours" is the default.
 ROUTES = ("mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv",
@@ -39,12 +39,18 @@ def causal_flops(b, length, d, hq=HQ):
     return 4 * b * hq * length * length * d / 2
 
 
-def sdpa_time(backend, qs, ks, vs, causal=True, mask=None):
+def sdpa_step(backend, qs, ks, vs, causal=True, mask=None):
+    """One SDPA call on input set i, pinned to `backend`."""
     def step(i):
         with sdpa_kernel([backend]):
             F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=mask, is_causal=causal and mask is None,
                                            enable_gqa=True)
 
+    return step
+
+
+def sdpa_time(backend, qs, ks, vs, causal=True, mask=None):
+    step = sdpa_step(backend, qs, ks, vs, causal, mask)
     try:
         return time_graph(step, len(qs))
     except Exception as exc:
@@ -93,13 +99,23 @@ def attention_rows(args, ceiling):
             gqa_torch.group_query_attention_(qkv[i], None, None, caches[i][0], caches[i][1], seqlens, cos, sin,
                                              num_heads=HQ, kv_num_heads=HKV, do_rotary=True)
 
-        t_ours = time_graph(ours, n)
-        # The same call with prep appending the new rows, instead of the attention kernel.
-        gqa_torch._C._set_prefill_append("prep")
-        try:
-            t_prep_append = time_graph(ours, n)
-        finally:
-            gqa_torch._C._set_prefill_append("auto")
+        def ours_prep_append(i):  # the same call with prep appending the new rows (set at capture)
+            gqa_torch._C._set_prefill_append("prep")
+            try:
+                ours(i)
+            finally:
+                gqa_torch._C._set_prefill_append("auto")
+
+        split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
+        qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
+        ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        # The headline columns (ours, with prep's append, SDPA flash and cuDNN) interleaved, so
+        # that their ratios do not carry the clocks' drift over the run.
+        head = time_graphs_interleaved({"ours": ours, "prep_append": ours_prep_append,
+                                        "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
+                                        "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}, n)
+        t_ours, t_prep_append, t_flash, t_cudnn = head["ours"], head["prep_append"], head["flash"], head["cudnn"]
         t_whole = time_graph(ours_whole, n)
         # Each kernel pinned (ROUTES), next to the default route ("ours").
         t_route = {}
@@ -115,12 +131,6 @@ def attention_rows(args, ceiling):
                 t_route[route] = time_graph(ours, n)
             finally:
                 gqa_torch._C._set_prefill_route("auto")
-        split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
-        qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
-        ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
-        vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
-        t_flash = sdpa_time(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
-        t_cudnn = sdpa_time(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
         t_flex = flex_time(qs, ks, vs) if args.flex else float("nan")
         positions = torch.arange(length, device="cuda")
 
