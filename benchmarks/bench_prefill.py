@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import bar_plot, progress, sets_for_bytes, time_graph, warm_up_gpu, write_tables
+from common import bar_plot, progress, sets_for_bytes, time_graph, time_graphs_interleaved, warm_up_gpu, write_tables
 
 # The prefill kernels timed side by side (gqa_torch._C._set_prefill_route); "ours" is the default.
 ROUTES = ("mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv",
@@ -39,12 +39,18 @@ def causal_flops(b, length, d, hq=HQ):
     return 4 * b * hq * length * length * d / 2
 
 
-def sdpa_time(backend, qs, ks, vs, causal=True, mask=None):
+def sdpa_step(backend, qs, ks, vs, causal=True, mask=None):
+    """One SDPA call on input set i, pinned to `backend`."""
     def step(i):
         with sdpa_kernel([backend]):
             F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=mask, is_causal=causal and mask is None,
                                            enable_gqa=True)
 
+    return step
+
+
+def sdpa_time(backend, qs, ks, vs, causal=True, mask=None):
+    step = sdpa_step(backend, qs, ks, vs, causal, mask)
     try:
         return time_graph(step, len(qs))
     except Exception as exc:
@@ -93,7 +99,23 @@ def attention_rows(args, ceiling):
             gqa_torch.group_query_attention_(qkv[i], None, None, caches[i][0], caches[i][1], seqlens, cos, sin,
                                              num_heads=HQ, kv_num_heads=HKV, do_rotary=True)
 
-        t_ours = time_graph(ours, n)
+        def ours_prep_append(i):  # the same call with prep appending the new rows (set at capture)
+            gqa_torch._C._set_prefill_append("prep")
+            try:
+                ours(i)
+            finally:
+                gqa_torch._C._set_prefill_append("auto")
+
+        split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
+        qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
+        ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        # The headline columns (ours, with prep's append, SDPA flash and cuDNN) interleaved, so
+        # that their ratios do not carry the clocks' drift over the run.
+        head = time_graphs_interleaved({"ours": ours, "prep_append": ours_prep_append,
+                                        "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
+                                        "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}, n)
+        t_ours, t_prep_append, t_flash, t_cudnn = head["ours"], head["prep_append"], head["flash"], head["cudnn"]
         t_whole = time_graph(ours_whole, n)
         # Each kernel pinned (ROUTES), next to the default route ("ours").
         t_route = {}
@@ -109,12 +131,6 @@ def attention_rows(args, ceiling):
                 t_route[route] = time_graph(ours, n)
             finally:
                 gqa_torch._C._set_prefill_route("auto")
-        split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
-        qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
-        ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
-        vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
-        t_flash = sdpa_time(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
-        t_cudnn = sdpa_time(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
         t_flex = flex_time(qs, ks, vs) if args.flex else float("nan")
         positions = torch.arange(length, device="cuda")
 
@@ -133,14 +149,14 @@ def attention_rows(args, ceiling):
             t_unfused = float("nan")
         flops = causal_flops(b, length, d)
         tf = lambda t: flops / (t * 1e-6) / 1e12  # noqa: E731
-        row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours),
+        row = dict(B=b, L=length, D=d, ours_us=t_ours, ours_TFLOPs=tf(t_ours), prep_append_us=t_prep_append,
                    **{f"{route}_TFLOPs": tf(t_route[route]) for route in ROUTES},
                    flash_TFLOPs=tf(t_flash),
                    cudnn_TFLOPs=tf(t_cudnn), flex_TFLOPs=tf(t_flex), vs_flash=t_flash / t_ours,
                    vs_cudnn=t_cudnn / t_ours, pct_of_gemm=100 * tf(t_ours) / ceiling,
                    whole_op_us=t_whole, rope_write_cudnn_us=t_unfused, whole_vs_unfused=t_unfused / t_whole)
         routes = ", ".join(f"{route} {row[route + '_TFLOPs']:.0f}" for route in ROUTES)
-        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s ({routes}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
+        progress(f"    ours {row['ours_TFLOPs']:.0f} TFLOP/s, {t_ours:.0f} us ({t_prep_append:.0f} us with prep's append; {routes}) | flash {row['flash_TFLOPs']:.0f} | cudnn "
                  f"{row['cudnn_TFLOPs']:.0f} | flex {row['flex_TFLOPs']:.0f} | whole {t_whole:.0f} us vs "
                  f"RoPE+write+cuDNN {t_unfused:.0f} us")
         rows.append(row)
@@ -224,7 +240,8 @@ def main():
                 gemm_TFLOPs=round(ceiling, 1), timing="median of CUDA-graph replays, inputs rotated beyond L2")
     progress(f"  {ceiling:.0f} TFLOP/s")
     rows = attention_rows(args, ceiling)
-    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", *[f"{route}_TFLOPs" for route in ROUTES], "flash_TFLOPs",
+    cols = ["B", "L", "D", "ours_us", "ours_TFLOPs", "prep_append_us", *[f"{route}_TFLOPs" for route in ROUTES],
+            "flash_TFLOPs",
             "cudnn_TFLOPs", "flex_TFLOPs", "vs_flash", "vs_cudnn", "pct_of_gemm", "whole_op_us", "rope_write_cudnn_us", "whole_vs_unfused"]
     text = write_tables("prefill", meta, rows, cols, "Causal prefill, bf16, 32/8 heads")
     bar_plot("prefill", [f"B{r['B']} L{r['L']} D{r['D']}" for r in rows],

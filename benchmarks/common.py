@@ -64,6 +64,33 @@ def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int =
     return statistics.median(times)
 
 
+def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict:
+    """Median µs per call of each `steps[name](i)`, each captured in its own CUDA graph, with the
+    graphs replayed in turn, round after round. Timed one after another, the same kernel read up
+    to 5% apart within one run on an H200 (its clocks drift); interleaved, the drift hits every
+    step alike, so that their ratios hold. A step that cannot run or be captured reads nan."""
+    calls = max(n_sets, 8)
+    graphs = {}
+    for name, step in steps.items():
+        try:
+            graphs[name] = capture_graph(step, n_sets, calls)
+        except Exception as exc:
+            progress(f"    {name}: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
+    for graph in graphs.values():  # untimed: the clocks and caches settle
+        graph.replay()
+    times = {name: [] for name in graphs}
+    for _ in range(replays):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000.0 / calls)
+    del graphs
+    return {name: statistics.median(times[name]) if name in times else float("nan") for name in steps}
+
+
 def warm_up_gpu(seconds: float = 2.0) -> None:
     """Keeps the GPU busy with bf16 GEMMs for `seconds`, so that the first timed row does not run
     at idle clocks (on an H200 that had idled, the first row read up to 20% slow)."""

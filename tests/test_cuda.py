@@ -295,6 +295,67 @@ def test_cuda_prefill_q_loader(dtype, head_dim, heads, prefill_q_loader):
     _run_cuda_and_cpu(case)
 
 
+@pytest.fixture(params=["auto", "prep"])
+def prefill_append(request):
+    """Who writes an in-place prefill's new rows to the caches (no RoPE): "auto" (the
+    warp-specialised attention kernel, for rows with no past, on sm90 in a 9.0a build; prep
+    elsewhere) or "prep" (prep always)."""
+    gqa_torch._C._set_prefill_append(request.param)
+    yield request.param
+    gqa_torch._C._set_prefill_append("auto")
+
+
+@pytest.mark.parametrize("seq", [7, 300])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_cuda_prefill_kernel_append(seq, dtype, head_dim, prefill_route):
+    """In place without RoPE, rows with no past: the warp-specialised kernels read their K/V
+    from the new rows and write them to the caches themselves, each tile from the block that
+    owns it (TMA stores for whole tiles, plain stores for the tile across the row's end, and
+    every tile by plain stores on the cp.async route). S = 7 is one partial tile; 300 has two
+    or three whole tiles and a partial one. Rows with a past (prep appends them) in the same
+    launch; packed and separate inputs, both cache layouts, caches inside poisoned guard
+    regions (strided), head size 80 (TMA boxes past the head size), G = 4 and 3. Every route;
+    only the warp-specialised ones append in the kernel."""
+    for i, (pasts, heads, feat) in enumerate([([0, 45, 0], (8, 2), dict(strided=True)),
+                                              ([0, 0], (12, 4), dict(packed=True, softcap=2.0, window=90)),
+                                              ([0], (8, 2), dict(sink=True, smooth=True))]):
+        case = make_case("inplace", batch=len(pasts), seq=seq, num_heads=heads[0], kv_num_heads=heads[1],
+                         head_dim=head_dim, capacity=seq + 60, past_lengths=pasts, layout=i % 2,
+                         dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_cuda_prefill_kernel_append_matches_prep(dtype, head_dim, prefill_append):
+    """The caches after an in-place prefill of rows with no past (1100 tokens: every CTA walks
+    several query blocks, owning some tiles and not others) are the same bytes whether the
+    attention kernel or prep appends them, and match the reference (_run_cuda_and_cpu)."""
+    case = make_case("inplace", batch=2, seq=1100, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=1200,
+                     past_lengths=[0, 0], layout=head_dim == 256, dtype=DTYPES[dtype], strided=True)
+    _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_cuda_prefill_kernel_append_bad_row(dtype, head_dim, prefill_append):
+    """A bad row next to a row with no past (which the kernel would append): no cache byte
+    changes (guard regions included), every output row is NaN, and check_errors() raises the
+    capacity flag."""
+    case = make_case("inplace", batch=3, seq=300, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=400,
+                     past_lengths=[0, 50, 0], strided=True, dtype=DTYPES[dtype], device="cuda", poison_unused=False)
+    case.seqlens_k[1] = 400  # total 401 > capacity
+    before = case.clone()
+    out = case.run()
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "a bad row anywhere makes every prefill output row NaN"
+    _assert_untouched_except_valid_rows(before, case, written_rows=[])
+    with pytest.raises(gqa_torch.GQAError) as info:
+        gqa_torch.check_errors()
+    assert info.value.flags == gerr.CAPACITY
+
+
 @pytest.mark.parametrize("seq", [2, 33])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

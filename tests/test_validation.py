@@ -622,6 +622,10 @@ def test_tuning_switches_name_what_they_expect():
     with pytest.raises(ValueError, match=r'gqa: decode merge: expected one of auto, kernel, cluster, got "dsmem"'):
         gqa_torch._C._set_decode_merge("dsmem")
     gqa_torch._C._set_decode_merge("auto")
+    with pytest.raises(ValueError, match=r'gqa: prefill append: expected one of auto, prep, got "kernel"'):
+        gqa_torch._C._set_prefill_append("kernel")
+    gqa_torch._C._set_prefill_append("prep")
+    gqa_torch._C._set_prefill_append("auto")
     with pytest.raises(ValueError, match=r'gqa: prefill Q loader: expected one of auto, cp_async, got "tma"'):
         gqa_torch._C._set_prefill_q_loader("tma")
     gqa_torch._C._set_prefill_q_loader("cp_async")

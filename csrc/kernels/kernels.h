@@ -18,7 +18,10 @@ inline bool is_fast_head_dim(int d) { return d == 64 || d == 80 || d == 96 || d 
 // launch_validate_rows ran just before it). `rope_q` (with p.do_rotary): the new query rows,
 // rotated, go into p.output (for launch_prefill_mma to read q from there, unrotated).
 void launch_validate_rows(const Params& p, cudaStream_t stream);
-void launch_prep(const Params& p, bool check_positions, cudaStream_t stream, bool rope_q = false);
+// skip_new_rows (in place, no RoPE): rows with no past are left to the attention kernel
+// (prefill_mma_appends); their checks still run here.
+void launch_prep(const Params& p, bool check_positions, cudaStream_t stream, bool rope_q = false,
+                 bool skip_new_rows = false);
 
 // decode_*.cu: S == 1 on tensor cores. `fused`: in-place op, the kernel also validates the
 // rows and appends the new K/V itself (no prep launch). Returns whether the kernel merged its

@@ -5,6 +5,8 @@
 //   (decode_mma merges its own splits in a thread-block cluster, with no merge kernel, when
 //   launch_decode_loader picks that: see set_decode_merge)
 //   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu) [+ merge]|generic
+//   (in place without RoPE, prefill_mma appends the rows with no past itself, and prep only
+//   checks them: prefill_mma_appends)
 //
 // Tensor-core eligible: fp16/bf16, D in {64, 80, 96, 128, 256}, and a cache whose rows are
 // 16-byte aligned (cp.async). Everything else takes the generic CUDA-core kernel.
@@ -85,8 +87,11 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
   const void* q = p.do_rotary ? p.output : p.query;
   const TokenStrides q_strides = p.do_rotary ? p.output_strides : p.query_strides;
   const bool tensor_cores = prefill_mma_covers(p, q, q_strides);
-  detail::launch_prep(p, !separate_check, stream, tensor_cores && p.do_rotary);
-  if (tensor_cores && launch_prefill_mma(p, q, q_strides, w.partial_out, w.partial_lse, w.max_splits, stream)) {
+  // Rows with no past: the attention kernel appends them where it can (prefill_mma_appends).
+  const bool kernel_appends = tensor_cores && prefill_mma_appends(p, w.max_splits);
+  detail::launch_prep(p, !separate_check, stream, tensor_cores && p.do_rotary, kernel_appends);
+  if (tensor_cores &&
+      launch_prefill_mma(p, q, q_strides, w.partial_out, w.partial_lse, w.max_splits, kernel_appends, stream)) {
     if (w.max_splits > 1) detail::launch_merge(p, w, stream);
     return;
   }

@@ -155,9 +155,18 @@ struct Args {
   // Warp-specialised only: the loader stages a block's Q tile by TMA through q_map when all of
   // its rows are real (else, and when q_sign != 0, by cp.async); see stage_q.
   int32_t q_tma;
+  // Warp-specialised, in place, no RoPE only (prefill_mma_appends): a row with no past (its
+  // keys are exactly this call's S new tokens) reads K/V from p.key / p.value instead of the
+  // caches, and each tile of it is written to the caches by one query block, its owner (the
+  // block holding the tile's first token), from the stage it loaded; prep skips those rows.
+  int32_t append_new;
+  int32_t new_tma;      // append_new: the new rows' tiles by TMA through k_new_map / v_new_map
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
   CUtensorMap v_map;
+  // The new keys and values (encode_new_rows_map): the same boxes and coordinates.
+  CUtensorMap k_new_map;
+  CUtensorMap v_new_map;
   // q as a TMA map (encode_query_map): boxes of 64 packed rows (G heads x 64 / G tokens).
   CUtensorMap q_map;
 };
@@ -676,23 +685,68 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const int ld_tid = C::kWarpSpecialized ? tid - C::kConsumerThreads : tid;
   const int ld_c = ld_tid % CH, ld_r = ld_tid / CH;
   const bool ld_col_ok = ld_c * 8 < p.head_dim;
-  const int64_t kv_off = static_cast<int64_t>(b) * p.cache_strides.batch +
-                         static_cast<int64_t>(kvh) * p.cache_strides.head + ld_c * 8;
-  const T* const k_src = static_cast<const T*>(p.key_cache) + kv_off;
-  const T* const v_src = static_cast<const T*>(p.value_cache) + kv_off;
   const int64_t tok = p.cache_strides.token;
   const int total = geo.total;
-  auto load_tile = [&](int tile, int stage) {
+  // A row with no past, in a call that appends in this kernel (Args::append_new): its K/V come
+  // from the new rows (in place, past == 0 means total == S: no padding), and the block that
+  // owns a tile writes it to the caches. Uniform over the CTA.
+  const bool row_new = C::kWarpSpecialized && a.append_new && geo.past == 0;
+  // The owner of key tile j of a new row: the query block holding its first token's first
+  // packed row (j * SK * G in [m0, m0 + BM)). It visits the tile (every row sees its own
+  // position), and each tile has one. This block owns tiles [own_lo, own_hi).
+  int own_lo = 0, own_hi = 0;
+  if (row_new) {
+    const int64_t per = static_cast<int64_t>(C::kStageKeys) * G;  // packed rows a tile's tokens hold
+    own_lo = static_cast<int>((m0 + per - 1) / per);
+    own_hi = static_cast<int>((static_cast<int64_t>(m0) + C::BM + per - 1) / per);
+  }
+  auto owns_tile = [&](int tile) { return tile >= own_lo && tile < own_hi; };
+  // Whether whole tiles (below the row's total) come by TMA: through the caches' maps, or the
+  // new rows' for a new row.
+  const bool tile_tma = a.use_tma && (!row_new || a.new_tma);
+  // `append`: this block owns the tile; each thread then also copies its chunks of it to the
+  // caches (a plain 16-byte load and store). The sources are worked out here, not kept live
+  // through the loader's loop (its warpgroup has 40 registers a thread).
+  auto load_tile = [&](int tile, int stage, bool append = false) {
+    const int64_t kv_off = static_cast<int64_t>(b) * p.cache_strides.batch +
+                           static_cast<int64_t>(kvh) * p.cache_strides.head + ld_c * 8;
+    const T* k_src = static_cast<const T*>(p.key_cache) + kv_off;
+    const T* v_src = static_cast<const T*>(p.value_cache) + kv_off;
+    int64_t src_tok = tok;
+    if (row_new) {  // (prefill_mma_appends: the key and value rows share their strides)
+      const TokenStrides ns = p.key_strides;
+      const int64_t off = static_cast<int64_t>(b) * ns.batch + static_cast<int64_t>(kvh) * ns.head + ld_c * 8;
+      k_src = static_cast<const T*>(p.key) + off;
+      v_src = static_cast<const T*>(p.value) + off;
+      src_tok = ns.token;
+    }
     const int n0 = tile * C::kStageKeys;
-#pragma unroll
-    for (int k = 0; k < LD_N; ++k) {
+    auto copy_chunk = [&](int k) {
       const int row = ld_r + k * LD_STEP;
       const int j = n0 + row;
       const bool ok = ld_col_ok && j < total;
-      const int64_t go = ok ? static_cast<int64_t>(j) * tok : 0;
+      const int64_t go = ok ? static_cast<int64_t>(j) * src_tok : 0;
       const uint32_t so = static_cast<uint32_t>(stage * C::kTileBytes) + tile_off(row, ld_c);
       cp_async16(k_base + so, k_src + go, ok ? 16u : 0u);
       cp_async16(v_base + so, v_src + go, ok ? 16u : 0u);
+    };
+    if constexpr (C::kWarpSpecialized) {
+      // A rare tile there (the one across a row's total; every tile only where TMA cannot
+      // run): a rolled loop, whose offsets ptxas does not keep in the loader's registers.
+#pragma unroll 1
+      for (int k = 0; k < LD_N; ++k) copy_chunk(k);
+    } else {
+#pragma unroll
+      for (int k = 0; k < LD_N; ++k) copy_chunk(k);
+    }
+    if (!C::kWarpSpecialized || !append) return;
+#pragma unroll 1  // (once a row)
+    for (int k = 0; k < LD_N; ++k) {
+      const int j = n0 + ld_r + k * LD_STEP;
+      if (!ld_col_ok || j >= total) continue;
+      const int64_t go = kv_off + static_cast<int64_t>(j) * tok;
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.key_cache) + go) = *reinterpret_cast<const uint4*>(k_src + j * src_tok);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.value_cache) + go) = *reinterpret_cast<const uint4*>(v_src + j * src_tok);
     }
   };
 
@@ -840,9 +894,11 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       const int tile = t_end - 1 - it;
       // TMA only for tiles that lie wholly below `total`: keys past it must read as zeros (a
       // zero weight times a stale NaN is NaN), which only cp.async's zero fill gives.
-      if (a.use_tma && (tile + 1) * C::kStageKeys <= total) {
-        // One operand (K, or V) of the stage by TMA onto the mbarrier `bar`.
-        auto tma_operand = [&](const CUtensorMap* map, uint32_t dst, uint32_t bar) {
+      if (tile_tma && (tile + 1) * C::kStageKeys <= total) {
+        // One operand (K, or V) of the stage by TMA onto the mbarrier `bar`, from the cache or
+        // (a new row) from the new rows: the maps share coordinates.
+        auto tma_operand = [&](bool is_v, uint32_t dst, uint32_t bar) {
+          const CUtensorMap* map = row_new ? (is_v ? &a.v_new_map : &a.k_new_map) : (is_v ? &a.v_map : &a.k_map);
 #pragma unroll
           for (int cb = 0; cb < D / 64; ++cb)  // 64-column blocks of the blocked tile
             wg::tma_load_4d(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar);
@@ -851,7 +907,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         if constexpr (C::kSplitKV) {
           if (ld_tid == 0) {
             wg::mbarrier_arrive_expect_bytes(full, C::kTileBytes);
-            tma_operand(&a.k_map, k_dst, full);
+            tma_operand(false, k_dst, full);
           } else {
             wg::mbarrier_arrive(full);
           }
@@ -859,19 +915,15 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           if (reuse) wg::mbarrier_wait(smem_addr(&pipe.v_empty[stage]), reuse_parity);
           if (ld_tid == 0) {
             wg::mbarrier_arrive_expect_bytes(v_full, C::kTileBytes);
-            tma_operand(&a.v_map, v_dst, v_full);
+            tma_operand(true, v_dst, v_full);
           } else {
             wg::mbarrier_arrive(v_full);
           }
         } else {
           if (ld_tid == 0) {
             wg::mbarrier_arrive_expect_bytes(full, 2 * C::kTileBytes);
-#pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb) {
-              const uint32_t off = cb * C::kStageKeys * 128;
-              wg::tma_load_4d(k_dst + off, &a.k_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
-              wg::tma_load_4d(v_dst + off, &a.v_map, cb * 64, tile * C::kStageKeys, kvh, b, full);
-            }
+            tma_operand(false, k_dst, full);
+            tma_operand(true, v_dst, full);
           } else {
             wg::mbarrier_arrive(full);
           }
@@ -879,7 +931,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         announce_pending(false);
       } else {
         if (C::kSplitKV && reuse) wg::mbarrier_wait(smem_addr(&pipe.v_empty[stage]), reuse_parity);
-        load_tile(tile, stage);
+        // (A TMA tile owned by this block is written to the caches by the computing
+        // warpgroups; this one, by the loader as it loads.)
+        load_tile(tile, stage, owns_tile(tile));
         cp_async_commit();
         announce_pending(true);
         pending = slot;
@@ -964,17 +1018,50 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       // through the async proxy itself.)
       // Tile `it` of this block sits in place ring + it of the stage ring.
       const int ring = pipe.ring;
-      auto wait_full = [&](int it) {
-        wg::mbarrier_wait(smem_addr(&pipe.s_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
-      };
-      auto release = [&](int it) { wg::mbarrier_arrive(smem_addr(&pipe.s_empty[(ring + it) % C::kStages])); };
       auto k_tile = [&](int it) { return k_base + ((ring + it) % C::kStages) * C::kTileBytes; };
       auto v_tile = [&](int it) { return v_base + ((ring + it) % C::kStages) * C::kTileBytes; };
+      // A TMA tile this block owns (Args::append_new) goes to the caches from its stage: thread
+      // 0 stores each operand by TMA once it has landed, and waits for the store to have read
+      // the stage before it hands the stage back. (Not the loader: a wait in its loop made
+      // ptxas spill its 40 registers.)
+      // Thread 0's share of the owned tiles: the whole ones (by TMA), [store_lo, store_hi).
+      const int store_lo = own_lo;
+      const int store_hi = tid == 0 && tile_tma ? min(own_hi, total / C::kStageKeys) : own_lo;
+      auto stores = [&](int it) {
+        const int tile = t_end - 1 - it;
+        return tile >= store_lo && tile < store_hi;
+      };
+      auto store_owned = [&](int it, bool k, bool v) {
+        if (!stores(it)) return;
+        const int tile = t_end - 1 - it;
+#pragma unroll
+        for (int cb = 0; cb < D / 64; ++cb) {
+          const uint32_t off = cb * C::kStageKeys * 128;
+          if (k) detail::tma_store_4d(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
+          if (v) detail::tma_store_4d(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
+        }
+        detail::bulk_commit();
+      };
+      auto owned_read = [&](int it) {
+        if (stores(it)) detail::bulk_wait_read();
+      };
+      auto wait_full = [&](int it) {
+        wg::mbarrier_wait(smem_addr(&pipe.s_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
+        store_owned(it, true, !C::kSplitKV);
+      };
+      auto release = [&](int it) {
+        owned_read(it);
+        wg::mbarrier_arrive(smem_addr(&pipe.s_empty[(ring + it) % C::kStages]));
+      };
       // Split K/V stages: s_full / s_empty are K's; V has its own pair.
       auto wait_v = [&](int it) {
         wg::mbarrier_wait(smem_addr(&pipe.v_full[(ring + it) % C::kStages]), ((ring + it) / C::kStages) & 1);
+        store_owned(it, false, true);
       };
-      auto release_v = [&](int it) { wg::mbarrier_arrive(smem_addr(&pipe.v_empty[(ring + it) % C::kStages])); };
+      auto release_v = [&](int it) {
+        owned_read(it);
+        wg::mbarrier_arrive(smem_addr(&pipe.v_empty[(ring + it) % C::kStages]));
+      };
       // One Q tile (kEarlyQRelease): it goes back to the loader once the block's last S is done.
       auto release_q_after = [&](int it) {
         if (C::kEarlyQRelease && it == n_tiles - 1) wg::mbarrier_arrive(smem_addr(&pipe.q_empty[q_buffer]));
@@ -1290,6 +1377,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     }
     wg::claim_registers<C::kConsumerRegs>();
     walk(std::integral_constant<Role, Role::kCompute>{});
+    // The cache writes of owned tiles (Args::append_new) finish before the CTA leaves.
+    if (a.append_new && threadIdx.x == 0) detail::bulk_wait_all();
   } else {
     const int work = static_cast<int>(blockIdx.x);
     prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, a.p.seqlens_k[block_coords(a, work).b]);
@@ -1351,6 +1440,7 @@ using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 std::atomic<int> g_q_loader{0};  // set_prefill_q_loader: 0 TMA where it can run, 1 cp.async always
+std::atomic<int> g_append{0};  // set_prefill_append: 0 in the kernel where it can, 1 by prep always
 
 using detail::device_attribute;
 using detail::device_is_sm90;
@@ -1453,6 +1543,11 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
   a.use_tma = route != 4 && encode_cache_maps(a, C::kStageKeys) ? 1 : 0;
+  a.new_tma = a.append_new && a.use_tma &&
+                      detail::encode_new_rows_map(&a.k_new_map, a.p.key, a.p.key_strides, a.p, C::kStageKeys) &&
+                      detail::encode_new_rows_map(&a.v_new_map, a.p.value, a.p.value_strides, a.p, C::kStageKeys)
+                  ? 1
+                  : 0;
   a.q_tma = a.use_tma && a.q_sign == 0u && g_q_loader.load(std::memory_order_relaxed) == 0 &&
                     encode_query_map(&a.q_map, a.q, a.q_strides, a.p)
                 ? 1
@@ -1504,6 +1599,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }
   }
+  // Only the warp-specialised kernels append (prefill_mma_appends promised prep one of them).
+  if (a.append_new) throw std::runtime_error("gqa prefill_mma: internal error: an append without its kernel");
   switch (dpad) {
     case 64: return launch_config<T, Cfg64, kSplit>(a, stream);
     case 128: return launch_config<T, Cfg128, kSplit>(a, stream);
@@ -1520,6 +1617,21 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
 }  // namespace pmma
 
 void set_prefill_route(int route) { pmma::g_route.store(route, std::memory_order_relaxed); }
+void set_prefill_append(int append) { pmma::g_append.store(append, std::memory_order_relaxed); }
+
+bool prefill_mma_appends(const Params& p, int splits) {
+  using namespace pmma;
+  if (g_append.load(std::memory_order_relaxed) != 0) return false;
+  if (!p.inplace || p.do_rotary || splits > 1 || p.key == nullptr || p.value == nullptr) return false;
+  // launch_default's warp-specialised kernels (every route but mma.sync and plain wgmma).
+  const int route = g_route.load(std::memory_order_relaxed);
+  if (!kBuiltSm90a || route == 1 || route == 2 || !device_is_sm90()) return false;
+  // The new rows are read with 16-byte copies (the cp.async tiles), K and V with one set of
+  // strides (packed QKV, or two tensors of one shape).
+  const TokenStrides ks = p.key_strides, vs = p.value_strides;
+  return aligned16(p.key) && aligned16(p.value) && strides8(ks) && ks.batch == vs.batch && ks.token == vs.token &&
+         ks.head == vs.head;
+}
 void set_prefill_q_loader(int loader) { pmma::g_q_loader.store(loader, std::memory_order_relaxed); }
 
 bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides) {
@@ -1528,10 +1640,14 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides) 
 }
 
 bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, float* partial_out,
-                        float* partial_lse, int splits, void* stream) {
+                        float* partial_lse, int splits, bool append_new, void* stream) {
   pmma::Args a{};
   const int dpad = pmma::prepare(p, q, q_strides, a);
-  if (dpad == 0) return false;
+  if (dpad == 0) {
+    if (append_new) throw std::runtime_error("gqa prefill_mma: internal error: an append without its kernel");
+    return false;
+  }
+  a.append_new = append_new ? 1 : 0;
   a.splits = splits > 1 ? splits : 1;
   a.partial_out = partial_out;
   a.partial_lse = partial_lse;

@@ -11,6 +11,7 @@
 // kernel then reads q from, block by block, before it writes that block's output over it):
 // one bandwidth-bound pass instead of a rotation on every attention block's critical path.
 #include <algorithm>
+#include <stdexcept>
 
 #include "kernels.h"
 
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kPrepThreads) validate_rows_kernel(const __gri
 template <typename T>
 __global__ void __launch_bounds__(kPrepThreads, 2)
     prep_kernel(const __grid_constant__ Params p, int rows_per_cta, int check_positions, int vec_cache, int vec_past,
-                int rope_q, int flat) {
+                int rope_q, int flat, int skip_new_rows) {
   pdl_wait();
   pdl_launch_dependents();
   const int b = blockIdx.y;
@@ -134,6 +135,9 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
   // hold half of a failed call.
   if (own != 0 && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(p.error_word, own);
   if (any != 0 || word_set) return;
+  // In place with no past, the attention kernel reads the new rows and appends them itself
+  // (prefill_mma_appends); nothing else is left to do here for such a row (no RoPE).
+  if (skip_new_rows && g.past == 0) return;
 
   const int S = p.query_len;
   const int D = p.head_dim;
@@ -327,7 +331,7 @@ bool strides16(const TokenStrides& s, int esize) {
 }
 
 template <typename T>
-void launch_prep_t(const Params& p, bool check_positions, bool rope_q, cudaStream_t stream) {
+void launch_prep_t(const Params& p, bool check_positions, bool rope_q, bool skip_new_rows, cudaStream_t stream) {
   const int esize = static_cast<int>(sizeof(T));
   const bool row16 = (p.head_dim * esize) % 16 == 0;
   const bool vec_cache = row16 && aligned16(p.key_cache) && aligned16(p.value_cache) && strides16(p.cache_strides, esize);
@@ -353,7 +357,8 @@ void launch_prep_t(const Params& p, bool check_positions, bool rope_q, cudaStrea
   // the row checks and the error latch live here.
   const dim3 grid(std::max(1, (span + rows_per_cta - 1) / rows_per_cta), p.batch);
   launch_kernel("prep_kernel", prep_kernel<T>, grid, dim3(kPrepThreads), 0, stream, p, rows_per_cta,
-                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0, rotate_q ? 1 : 0, flat ? 1 : 0);
+                check_positions ? 1 : 0, vec_cache ? 1 : 0, vec_past ? 1 : 0, rotate_q ? 1 : 0, flat ? 1 : 0,
+                skip_new_rows ? 1 : 0);
 }
 
 }  // namespace
@@ -370,11 +375,13 @@ void launch_validate_rows(const Params& p, cudaStream_t stream) {
   launch_kernel("validate_rows_kernel", validate_rows_kernel, dim3(p.batch), dim3(kPrepThreads), 0, stream, p);
 }
 
-void launch_prep(const Params& p, bool check_positions, cudaStream_t stream, bool rope_q) {
+void launch_prep(const Params& p, bool check_positions, cudaStream_t stream, bool rope_q, bool skip_new_rows) {
+  if (skip_new_rows && (!p.inplace || p.do_rotary))
+    throw std::runtime_error("gqa prep: internal error: only in-place rows without RoPE can be skipped");
   switch (p.dtype) {
-    case DType::kFloat32: launch_prep_t<float>(p, check_positions, rope_q, stream); break;
-    case DType::kFloat16: launch_prep_t<__half>(p, check_positions, rope_q, stream); break;
-    default: launch_prep_t<__nv_bfloat16>(p, check_positions, rope_q, stream); break;
+    case DType::kFloat32: launch_prep_t<float>(p, check_positions, rope_q, skip_new_rows, stream); break;
+    case DType::kFloat16: launch_prep_t<__half>(p, check_positions, rope_q, skip_new_rows, stream); break;
+    default: launch_prep_t<__nv_bfloat16>(p, check_positions, rope_q, skip_new_rows, stream); break;
   }
 }
 

@@ -60,6 +60,14 @@ inline bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p
                        {64, box_keys, 1, 1});
 }
 
+// A TMA map of the new keys or values of an in-place call ([B][S][Hkv][D] in whatever order
+// `ns` says), with the cache maps' dimension order and box (64 columns x `box_keys` tokens), so
+// that a box of tile t is read with the same coordinates from either.
+inline bool encode_new_rows_map(CUtensorMap* map, const void* base, TokenStrides ns, const Params& p, int box_keys) {
+  return encode_map_4d(map, base, p, {p.head_dim, p.query_len, p.kv_heads, p.batch}, {ns.token, ns.head, ns.batch},
+                       {64, box_keys, 1, 1});
+}
+
 // A TMA map of the queries ([B][S][Hq][D] in whatever order `qs` says) whose box is 64 packed
 // query rows of one kv head: 64 columns x the group's `G` heads x 64 / G tokens, so that row
 // s * G + g of the box is head g of token s, as the prefill packs them. G must divide 64.
@@ -80,6 +88,36 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
           dst),
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
+#endif
+}
+
+// TMA: one box from shared memory to a 4-D tensor map's global memory (boxes past the tensor's
+// bounds are clipped), in this thread's bulk-async group; bulk_commit closes the group.
+// The shared memory must not be overwritten before bulk_wait_read<0>, nor the kernel exit
+// before bulk_wait_all.
+__device__ __forceinline__ void tma_store_4d(const void* tensor_map, uint32_t src, int c0, int c1, int c2, int c3) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's committed bulk stores have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read() {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's committed bulk stores are complete.
+__device__ __forceinline__ void bulk_wait_all() {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
 

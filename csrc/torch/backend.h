@@ -35,6 +35,11 @@ void set_prefill_route(const std::string& route);
 // by TMA where it can) or "cp_async" (kernels/prefill_mma.h). No-op in a CPU-only build.
 void set_prefill_q_loader(const std::string& loader);
 
+// Tests and benchmarks: who writes the new rows of an in-place prefill without RoPE to the
+// caches, "auto" (the default: the attention kernel, for rows with no past, where it can) or
+// "prep" (always prep's copy; kernels/prefill_mma.h). No-op in a CPU-only build.
+void set_prefill_append(const std::string& append);
+
 // Tests and benchmarks: the tensor-core decode kernel's loader, "auto" (the default: see
 // kernels/launch.h), "cp_async", "tma" or "regs_k" (where they can run). No-op in a CPU-only
 // build.

@@ -62,6 +62,16 @@ void set_prefill_q_loader(const std::string& loader) {
 #endif
 }
 
+void set_prefill_append(const std::string& append) {
+  // The index is the kernel's append code (kernels/prefill_mma.h).
+  static const char* const kAppends[] = {"auto", "prep"};
+  const int code = switch_code(kAppends, append, "prefill append");
+  (void)code;  // used by a CUDA build only
+#ifdef GQA_WITH_CUDA
+  cuda::set_prefill_append(code);
+#endif
+}
+
 void set_decode_loader(const std::string& loader) {
   // The index is the kernel's loader code (kernels/launch.h).
   static const char* const kLoaders[] = {"auto", "cp_async", "tma", "regs_k"};

@@ -18,6 +18,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_prefill_q_loader", &gqa::set_prefill_q_loader, pybind11::arg("loader"),
         "Tests and benchmarks: how the warp-specialised prefill stages Q, \"auto\" (TMA where it can, the "
         "default) or \"cp_async\".");
+  m.def("_set_prefill_append", &gqa::set_prefill_append, pybind11::arg("append"),
+        "Tests and benchmarks: who appends an in-place prefill's new rows (no RoPE) to the caches, \"auto\" "
+        "(the attention kernel, for rows with no past, where it can: the default) or \"prep\" (always prep).");
   m.def("_set_decode_loader", &gqa::set_decode_loader, pybind11::arg("loader"),
         "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\", \"tma\" or "
         "\"regs_k\".");
