@@ -10,7 +10,6 @@ Writes benchmarks/results/decode*.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
 from common import (HBM_DATASHEET_TBS, bar_plot, measure_hbm_read_tbs, progress, sets_for_bytes, time_graph,
-                    warm_up_gpu, write_tables)
+                    time_graphs_interleaved, warm_up_gpu, write_tables)
 
 DECODE_GRID = [  # B, Hq, Hkv, D, L
     (1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768),
@@ -37,16 +36,13 @@ def latency_bound(b, hq, hkv, d, length):
     return (b == 1 and length <= 8192) or (hq, hkv, d) == (14, 2, 64)
 
 
-def time_sdpa(backend, qs, ks, vs, mask=None):
+def sdpa_step(backend, qs, ks, vs, mask=None):
+    """One SDPA call on input set i, pinned to `backend`."""
     def step(i):
         with sdpa_kernel([backend]):
             F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=mask, enable_gqa=True)
 
-    try:
-        return time_graph(step, len(qs))
-    except Exception as exc:  # a backend that has no kernel for this case
-        progress(f"    {backend.name}: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
-        return float("nan")
+    return step
 
 
 def time_flex(qs, ks, vs):
@@ -81,7 +77,12 @@ def decode_table(args):
             gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
                                              num_heads=hq, kv_num_heads=hkv)
 
-        t_ours = time_graph(ours, n)
+        ks, vs = [c[0] for c in caches], [c[1] for c in caches]
+        # The headline columns (ours, SDPA flash and cuDNN) interleaved, so that their ratios do
+        # not carry the clocks' drift over the run (common.time_graphs_interleaved).
+        head = time_graphs_interleaved({"ours": ours, "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
+                                        "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}, n)
+        t_ours, t_flash, t_cudnn = head["ours"], head["flash"], head["cudnn"]
         # The decode kernel's other loaders (the default takes TMA on an sm90 GPU in a 9.0a
         # build); the loader is fixed when the graph is captured.
         t_loader = {}
@@ -99,9 +100,6 @@ def decode_table(args):
                 t_loader[f"merge_{merge}"] = time_graph(ours, n)
             finally:
                 gqa_torch._C._set_decode_merge("auto")
-        ks, vs = [c[0] for c in caches], [c[1] for c in caches]
-        t_flash = time_sdpa(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
-        t_cudnn = time_sdpa(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)
         t_flex = time_flex(qs, ks, vs) if args.flex and kv_bytes < 1e9 else float("nan")
         best = min(t for t in (t_flash, t_cudnn) if t == t)
         row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, kv_MB=kv_bytes / 1e6, ours_us=t_ours, **{f"{k}_us": t for k, t in t_loader.items()},
@@ -145,10 +143,12 @@ def ragged_table():
             gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, ks[i], vs[i], seqlens,
                                              num_heads=hq, kv_num_heads=hkv)
 
-        t_ours = time_graph(ours, n)
-        t_cudnn_mask = time_sdpa(SDPBackend.CUDNN_ATTENTION, qs, ks, vs, mask)
-        t_eff_mask = time_sdpa(SDPBackend.EFFICIENT_ATTENTION, qs, ks, vs, mask)
-        t_flash_full = time_sdpa(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
+        head = time_graphs_interleaved({"ours": ours,
+                                        "cudnn_mask": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs, mask),
+                                        "eff_mask": sdpa_step(SDPBackend.EFFICIENT_ATTENTION, qs, ks, vs, mask),
+                                        "flash_full": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}, n)
+        t_ours, t_cudnn_mask, t_eff_mask, t_flash_full = (head["ours"], head["cudnn_mask"], head["eff_mask"],
+                                                          head["flash_full"])
         masked = min(t for t in (t_cudnn_mask, t_eff_mask, t_flash_full) if t == t)
         row = dict(B=b, capacity=capacity, mean_len=float(lengths.float().mean()), valid_MB=valid_bytes / 1e6,
                    ours_us=t_ours, sdpa_cudnn_mask_us=t_cudnn_mask, sdpa_efficient_mask_us=t_eff_mask,
@@ -202,8 +202,8 @@ def step_table():
             vs[i].index_copy_(2, cache_position, v)
             F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=mask, enable_gqa=True)
 
-        t_ours = time_graph(ours, n)
-        t_hf = time_graph(hf_step, n)
+        head = time_graphs_interleaved({"ours": ours, "hf": hf_step}, n)
+        t_ours, t_hf = head["ours"], head["hf"]
         row = dict(B=b, capacity=capacity, length=length, ours_us=t_ours, hf_step_us=t_hf, speedup=t_hf / t_ours)
         progress(f"    ours {t_ours:.1f} us | HF step {t_hf:.1f} us | {row['speedup']:.2f}x")
         rows.append(row)
