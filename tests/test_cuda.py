@@ -405,8 +405,8 @@ def test_cuda_decode(dtype, batch, past, op, decode_merge):
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build "regs_k" or TMA, and cp.async at head size 64 with one CTA an SM), so that every
-    loader stays tested there. "regs_k"
-    (K into registers, V by TMA) exists at head sizes 64 and 128; elsewhere it runs as auto."""
+    loader stays tested there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and
+    128; elsewhere it runs as auto."""
     if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
     if request.param != "cp_async" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:

@@ -30,8 +30,8 @@ bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, 
 
 // Whether launch_prefill_mma can take the cache append of rows with no past (in place, no
 // RoPE, one key-range part, a warp-specialised kernel on this device, 16-byte aligned new
-// rows, and set_prefill_append at 0). It takes it for prep's copy: 67 MB moved at B=2, L=4096,
-// D=128, 18 us on an H200, before the attention kernel could start.
+// rows, and set_prefill_append at 0). It takes the place of prep's copy: 67 MB moved at B=2,
+// L=4096, D=128, 18 us on an H200, before the attention kernel could start.
 bool prefill_mma_appends(const Params& p, int splits);
 
 // Who writes the new rows of an in-place prefill with no RoPE to the caches: 0 (auto) the

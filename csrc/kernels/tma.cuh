@@ -1,7 +1,7 @@
-// TMA (sm90): tensor maps of a K or V cache and of the queries, encoded on the host, and the
-// load of one box into shared memory (128-byte swizzled: 16-byte chunk c of row r at chunk
-// c ^ (r % 8), each 8-row atom 1024-byte aligned). Used by the wgmma prefill and the decode
-// kernel.
+// TMA (sm90): tensor maps of a K or V cache, of an in-place call's new keys or values and of
+// the queries, encoded on the host; the load of one box into shared memory (128-byte swizzled:
+// 16-byte chunk c of row r at chunk c ^ (r % 8), each 8-row atom 1024-byte aligned) and the
+// store of one back. Used by the wgmma prefill and the decode kernel.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (the encoder is fetched through the runtime, no -lcuda)
@@ -93,8 +93,8 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
 
 // TMA: one box from shared memory to a 4-D tensor map's global memory (boxes past the tensor's
 // bounds are clipped), in this thread's bulk-async group; bulk_commit closes the group.
-// The shared memory must not be overwritten before bulk_wait_read<0>, nor the kernel exit
-// before bulk_wait_all.
+// The shared memory must not be overwritten before bulk_wait_read, nor the kernel exit before
+// bulk_wait_all.
 __device__ __forceinline__ void tma_store_4d(const void* tensor_map, uint32_t src, int c0, int c1, int c2, int c3) {
 #if GQA_ASYNC_COPY_ENABLED
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
