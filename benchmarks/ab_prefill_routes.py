@@ -15,12 +15,11 @@ staged by cp.async instead of TMA (_C._set_prefill_q_loader).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import gqa_torch
-from common import capture_graph, progress, sets_for_bytes, warm_up_gpu
+from common import progress, sets_for_bytes, time_graphs_interleaved, warm_up_gpu
 
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16
@@ -45,27 +44,23 @@ def time_routes(b: int, length: int, d: int, routes, rounds: int):
         gqa_torch.group_query_attention_(q, k, v, caches[i][0], caches[i][1], seqlens, num_heads=HQ,
                                          kv_num_heads=HKV)
 
-    calls = max(n, 8)
-    graphs = {}
-    for route in routes:
-        name, _, q_loader = route.partition("+q_")  # e.g. auto+q_cp_async: that Q loader
-        gqa_torch._C._set_prefill_route(name)  # the route is fixed when the graph is captured
-        gqa_torch._C._set_prefill_q_loader(q_loader or "auto")
-        try:
-            graphs[route] = capture_graph(call, n, calls)
-        finally:
-            gqa_torch._C._set_prefill_route("auto")
-            gqa_torch._C._set_prefill_q_loader("auto")
-    times = {route: [] for route in routes}
-    for _ in range(rounds):
-        for route, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[route].append(start.elapsed_time(end) * 1000.0 / calls)
-    return {route: statistics.median(t) for route, t in times.items()}
+    def pinned(route):
+        """The call with `route` pinned (e.g. auto+q_cp_async: that Q loader); the switches are
+        read when a graph is captured."""
+        name, _, q_loader = route.partition("+q_")
+
+        def step(i):
+            gqa_torch._C._set_prefill_route(name)
+            gqa_torch._C._set_prefill_q_loader(q_loader or "auto")
+            try:
+                call(i)
+            finally:
+                gqa_torch._C._set_prefill_route("auto")
+                gqa_torch._C._set_prefill_q_loader("auto")
+
+        return step
+
+    return time_graphs_interleaved({route: pinned(route) for route in routes}, n, replays=rounds)
 
 
 def main() -> None:
