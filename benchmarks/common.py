@@ -67,8 +67,9 @@ def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int =
 def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict:
     """Median µs per call of each `steps[name](i)`, each captured in its own CUDA graph, with the
     graphs replayed in turn, round after round. Timed one after another, the same kernel read
-    497 and 525 TFLOP/s within one run on an H200 (its clocks drift); interleaved, the drift hits every
-    step alike, so that their ratios hold. A step that cannot run or be captured reads nan."""
+    497 and 525 TFLOP/s within one run on an H200 (its clocks drift); interleaved, the drift
+    hits every step alike, so that their ratios hold. A step that cannot run or be captured
+    reads nan."""
     calls = max(n_sets, 8)
     graphs = {}
     for name, step in steps.items():
