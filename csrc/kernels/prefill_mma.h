@@ -43,7 +43,7 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
 
 // Which variant of the kernel prefill takes (tests and benchmarks pin one):
 //   0 auto: on an sm90 device in an sm90a build, the warp-specialised wgmma kernel with
-//           persistent CTAs (route 6's at padded head size 64; at 128 route 8's for prompts
+//           persistent CTAs (route 6's at padded head size 64; at 128 route 10's for prompts
 //           of 4096 tokens or more, route 5's below; route 9's at 256) or, for a split key
 //           range, the plain wgmma kernel (64, 128); mma.sync otherwise;
 //   1 mma.sync always; 2 the plain wgmma kernel where it can run (64, 128);
