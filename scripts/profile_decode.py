@@ -38,6 +38,7 @@ ROWS = {  # name: (B, L, S[, D]): S = 1 decode, else a causal prefill of S token
     "b64_l32768": (64, 32768, 1),
     "prefill_b8_l1024": (8, 1024, 1024),
     "prefill_b2_l4096": (2, 4096, 4096),
+    "prefill_b1_l16384": (1, 16384, 16384),
     "prefill_b2_l4096_d64": (2, 4096, 4096, 64),
     "prefill_b2_l4096_d256": (2, 4096, 4096, 256),
 }

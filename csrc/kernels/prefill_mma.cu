@@ -58,6 +58,10 @@ namespace cuda {
 namespace pmma {
 
 using detail::kLog2e;
+// Named barriers of the computing warpgroups' turns (Args::pingpong): 5 and 6 (0 is
+// __syncthreads, 1-4 the warpgroups' own, wg::warpgroup_barrier).
+constexpr int kTurnBarrier = 5;
+
 // A row's exponent base is moved only when its running max grows by more than this many
 // log2 units; until then P may reach 2^kRescaleThreshold (harmless in fp32 / fp16 / bf16).
 constexpr float kRescaleThreshold = 8.f;
@@ -161,6 +165,10 @@ struct Args {
   // block holding the tile's first token), from the stage it loaded; prep skips those rows.
   int32_t append_new;
   int32_t new_tma;      // append_new: the new rows' tiles by TMA through k_new_map / v_new_map
+  // The pipelined kernel with two computing warpgroups only (route 10): the warpgroups take
+  // turns issuing each step's MMAs (named barriers kTurnBarrier + warpgroup), so that one's
+  // group runs whole on the tensor cores while the other is in its softmax.
+  int32_t pingpong;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
   CUtensorMap v_map;
@@ -385,15 +393,19 @@ struct WarpTile {
             if (j < row_lo[i] || j >= row_hi[i]) sc[mt][n][e] = -INFINITY;
           }
     }
+    // Row maxima in four interleaved partials a row (by n-tile): the maxima gate every
+    // exponential, and the softmax sits between the S wait and the next MMA issue, so one chain
+    // of NT dependent FMNMX a row was on the tile's critical path (a full pairwise tree kept 32
+    // more values live and spilled at fp16).
     float mx[NR];
-#pragma unroll
-    for (int i = 0; i < NR; ++i) mx[i] = -INFINITY;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        mx[2 * mt] = fmaxf(mx[2 * mt], fmaxf(sc[mt][n][0], sc[mt][n][1]));
-        mx[2 * mt + 1] = fmaxf(mx[2 * mt + 1], fmaxf(sc[mt][n][2], sc[mt][n][3]));
+      for (int h = 0; h < 2; ++h) {
+        float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) part[n & 3] = fmaxf(part[n & 3], fmaxf(sc[mt][n][2 * h], sc[mt][n][2 * h + 1]));
+        mx[2 * mt + h] = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
       }
     bool grow = false;
 #pragma unroll
@@ -423,7 +435,7 @@ struct WarpTile {
           const int i = mt * 2 + (e >> 1);
           const float pe = fast_exp2(fmaf(sc[mt][n][e], k2, nb[i]));
           sc[mt][n][e] = pe;
-          rs[i] += pe;
+          rs[i] += pe;  // one chain: the MUFU issue rate, not the add, paces it
         }
 #pragma unroll
     for (int i = 0; i < NR; ++i) l_sum[i] = fmaf(l_sum[i], alpha[i], rs[i]);
@@ -526,10 +538,11 @@ struct WarpTile {
   // caller swaps the two arrays from tile to tile. (With one array and a copy after the wait,
   // ptxas merged the copy into the packing and so sank the exponentials below the P V wait.)
   // after_s() runs once S of the next tile is complete (its K is no longer read).
-  template <bool kMask, bool kCap, class AfterS>
+  // turn() and pass() bracket the issue of the two groups (Args::pingpong).
+  template <bool kMask, bool kCap, class AfterS, class Turn, class Pass>
   __device__ __forceinline__ void tile_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t (&pn)[MT][BN / 16][4],
                                                uint32_t q_tile, uint32_t k_next, uint32_t v_cur, int n0_next,
-                                               AfterS&& after_s) {
+                                               AfterS&& after_s, Turn&& turn, Pass&& pass) {
     static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
     float sc[MT][NT][4];
     float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
@@ -541,6 +554,7 @@ struct WarpTile {
     wg::pin_registers(acc);
     wg::pin_registers(oacc);
     wg::pin_registers(pflat);
+    turn();
     wg::fence_operands();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
@@ -549,6 +563,7 @@ struct WarpTile {
     wg::fence_operands();  // P V is a group of its own, so that S can be waited for alone
     issue_pv_wg(pa, v_cur);
     wg::commit();
+    pass();
     wg::wait_pending<1>();  // S is ready; P V may still run
     wg::pin_registers(acc);
     after_s();
@@ -1068,6 +1083,10 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       };
       if constexpr (C::kSplitKV && C::kPipe) {  // S of tile it + 1 in flight with P V of tile it
         uint32_t p_even[MT][BN / 16][4], p_odd[MT][BN / 16][4];  // P of the even / odd tiles
+        // Args::pingpong: warpgroup w waits for its turn on barrier kTurnBarrier + w, then
+        // passes the turn on; both walk the same steps, so every wait has its arrival (the
+        // first, warpgroup 1's, at kernel start).
+        const bool pingpong = C::kConsumerThreads == 256 && a.pingpong != 0;
         wait_full(0);
         {
           const int n0 = tile_n0(0);
@@ -1088,9 +1107,16 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             const int n1 = tile_n0(it + 1);
             with_mask_and_cap(needs_mask(n1), cap, [&](auto mask, auto softcap) {
               w.template tile_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(
-                  p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1, [&] {
+                  p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1,
+                  [&] {
                     release(it + 1);
                     release_q_after(it + 1);
+                  },
+                  [&] {
+                    if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
+                  },
+                  [&] {
+                    if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
                   });
             });
           } else {
@@ -1313,6 +1339,28 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   }
 }
 
+// A warp-specialised CTA's walk over its query blocks (one role's side of it), with the next
+// block's seqlens_k already in flight. A function, not a lambda in the kernel: ptxas once left
+// such a lambda out of line (fp16, route 8), which serialised every wgmma across the call.
+template <typename T, class C, bool kSplit, Role kRole>
+__device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const smem, Pipeline& pipe,
+                                            const uint32_t error) {
+  const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
+  auto block_of_round = [&](int r) {
+    if (!a.persistent) return r == 0 ? c : INT_MAX;
+    return r * g + (r & 1 ? g - 1 - c : c);
+  };
+  int work = block_of_round(0);
+  int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords(a, work).b] : 0;
+  for (int r = 0; work < a.num_work; ++r) {
+    const int next = block_of_round(r + 1);
+    const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
+    prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, seqlen);
+    work = next;
+    seqlen = next_seqlen;
+  }
+}
+
 // kSplit: the split-K form (a.splits > 1, partials for the merge), a separate instantiation so
 // that the plain kernel keeps its registers. A CTA takes one query block (blockIdx.x), or with
 // warp specialisation and a.persistent, one per round: round r of CTA c is block r * gridDim.x
@@ -1353,30 +1401,16 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const uint32_t error = s_error;
   Pipeline pipe{s_full, s_empty, q_full, q_empty, v_full, v_empty};
   if constexpr (C::kWarpSpecialized) {
-    const int c = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
-    auto block_of_round = [&](int r) {
-      if (!a.persistent) return r == 0 ? c : INT_MAX;
-      return r * g + (r & 1 ? g - 1 - c : c);
-    };
-    // Each role walks the rounds with the next block's seqlens_k already in flight.
-    auto walk = [&](auto role) {
-      int work = block_of_round(0);
-      int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords(a, work).b] : 0;
-      for (int r = 0; work < a.num_work; ++r) {
-        const int next = block_of_round(r + 1);
-        const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
-        prefill_block<T, C, kSplit, decltype(role)::value>(a, smem, pipe, error, work, seqlen);
-        work = next;
-        seqlen = next_seqlen;
-      }
-    };
     if (threadIdx.x >= C::kConsumerThreads) {  // the loader warpgroup
       wg::release_registers<C::kLoaderRegs>();
-      walk(std::integral_constant<Role, Role::kLoader>{});
+      walk_blocks<T, C, kSplit, Role::kLoader>(a, smem, pipe, error);
       return;
     }
     wg::claim_registers<C::kConsumerRegs>();
-    walk(std::integral_constant<Role, Role::kCompute>{});
+    if constexpr (C::kSplitKV && C::kPipe && C::kConsumerThreads == 256) {
+      if (a.pingpong && threadIdx.x >= 128) wg::named_barrier_arrive(kTurnBarrier, 256);  // warpgroup 0 goes first
+    }
+    walk_blocks<T, C, kSplit, Role::kCompute>(a, smem, pipe, error);
     // The cache writes of owned tiles (Args::append_new) finish before the CTA leaves.
     if (a.append_new && threadIdx.x == 0) detail::bulk_wait_all();
   } else {
@@ -1580,9 +1614,14 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // blocks' fill and drain weigh more. H200, bf16, causal, 32/8 heads, interleaved A/B
       // (benchmarks/ab_prefill_routes.py), route 8 over route 5: 0.94 at B=8 L=1024, 0.98 at
       // B=4 L=2048, 1.03 at B=2 L=4096, 1.08 at B=1 L=8192, 1.14 at B=1 L=16384.
-      if (route == 0 && dpad == 128 && a.p.query_len >= kLongPromptForPipelinedWs)
-        return launch_ws<T, Cfg128WSKVP>(a, stream, route);
-      if (route == 8) {
+      // There its two computing warpgroups take turns to issue their MMAs (route 10): 1.010-1.016x
+      // route 8 at B=2 L=4096, B=1 L=8192 and B=1 L=16384 (same A/B, thirteenth round).
+      if ((route == 0 && dpad == 128 && a.p.query_len >= kLongPromptForPipelinedWs) ||
+          (route == 10 && (dpad == 64 || dpad == 128))) {
+        a.pingpong = 1;
+        return dpad == 64 ? launch_ws<T, Cfg64WSKVP>(a, stream, route) : launch_ws<T, Cfg128WSKVP>(a, stream, route);
+      }
+      if (route == 8 || route == 10) {
         if (dpad == 64) return launch_ws<T, Cfg64WSKVP>(a, stream, route);
         if (dpad == 128) return launch_ws<T, Cfg128WSKVP>(a, stream, route);
         // D = 256: the pipelined order spills (O alone is 128 registers): route 7's kernel.

@@ -102,6 +102,13 @@ __device__ __forceinline__ void pin_registers(uint32_t (&r)[N]) {
 __device__ __forceinline__ void warpgroup_barrier() {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x >> 7)) : "memory");
 }
+// Named barrier `id` over `threads` threads: wait for all of them, or only count this warp in.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // ---- warp specialisation: the register split (the mbarriers are in common.cuh) ------------
 using detail::mbarrier_arrive;
 using detail::mbarrier_arrive_expect_bytes;
