@@ -50,17 +50,27 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lead
   return d;
 }
 
+// The descriptor of the part `bytes` past a tile's start: the tile's descriptor with bytes / 16
+// added to its start-address field, which cannot carry into the next field (shared-window
+// addresses stay below 2^18, and the part lies inside the tile). So the tile's descriptor is
+// built once and each MMA's costs one 32-bit add, where masking and shifting every part's own
+// address put a chain of four uniform-datapath instructions in front of each wgmma.
+__device__ __forceinline__ uint64_t advanced(uint64_t tile_desc, uint32_t bytes) {
+  const uint32_t start = static_cast<uint32_t>(tile_desc) + (bytes >> 4);
+  return (tile_desc & 0xFFFFFFFF00000000ull) | start;
+}
+
 // K-major operand (Q, K): k-step ks of 16 elements of a blocked tile of `rows` rows.
 __device__ __forceinline__ uint64_t k_major(uint32_t tile, int rows, int ks) {
-  return descriptor(tile + (ks >> 2) * rows * 128 + (ks & 3) * 32, 16, 1024);
+  return advanced(descriptor(tile, 16, 1024), (ks >> 2) * rows * 128 + (ks & 3) * 32);
 }
 
 // MN-major operand (V stored [keys][D]): k-step ks of 16 keys of a blocked tile of `rows` keys.
 __device__ __forceinline__ uint64_t mn_major(uint32_t tile, int rows, int ks) {
-  const uint32_t start = tile + ks * 16 * 128;
   const uint32_t block_stride = rows * 128, atom_stride = 1024;
-  return kMnMajorLeadingIsBlockStride ? descriptor(start, block_stride, atom_stride)
-                                      : descriptor(start, atom_stride, block_stride);
+  const uint64_t tile_desc = kMnMajorLeadingIsBlockStride ? descriptor(tile, block_stride, atom_stride)
+                                                          : descriptor(tile, atom_stride, block_stride);
+  return advanced(tile_desc, ks * 16 * 128);
 }
 
 __device__ __forceinline__ void fence_operands() {
