@@ -754,14 +754,16 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 #pragma unroll
       for (int k = 0; k < LD_N; ++k) copy_chunk(k);
     }
-    if (!C::kWarpSpecialized || !append) return;
+    if constexpr (C::kWarpSpecialized) {  // (a constexpr branch: no unreachable loop elsewhere)
+      if (!append) return;
 #pragma unroll 1  // (once a row)
-    for (int k = 0; k < LD_N; ++k) {
-      const int j = n0 + ld_r + k * LD_STEP;
-      if (!ld_col_ok || j >= total) continue;
-      const int64_t go = kv_off + static_cast<int64_t>(j) * tok;
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.key_cache) + go) = *reinterpret_cast<const uint4*>(k_src + j * src_tok);
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.value_cache) + go) = *reinterpret_cast<const uint4*>(v_src + j * src_tok);
+      for (int k = 0; k < LD_N; ++k) {
+        const int j = n0 + ld_r + k * LD_STEP;
+        if (!ld_col_ok || j >= total) continue;
+        const int64_t go = kv_off + static_cast<int64_t>(j) * tok;
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.key_cache) + go) = *reinterpret_cast<const uint4*>(k_src + j * src_tok);
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.value_cache) + go) = *reinterpret_cast<const uint4*>(v_src + j * src_tok);
+      }
     }
   };
 
