@@ -1572,9 +1572,9 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head size 64 (at
 // 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
 // removed), 7 and 8 as 5 and 6 with split K/V stage barriers, in the plain and the pipelined
-// order (auto takes 8's kernel at padded head size 128 for prompts of 4096 tokens or more), 9
-// as 5 with 80-key tiles at padded head size 256 (Cfg256WS80, auto's kernel there), route 5's
-// kernels at 64 and 128.
+// order, 9 as 5 with 80-key tiles at padded head size 256 (Cfg256WS80, auto's kernel there),
+// route 5's kernels at 64 and 128, 10 as 8 with the computing warpgroups taking turns to issue
+// their MMAs (auto's kernel at padded head size 128 for prompts of 4096 tokens or more).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
