@@ -53,8 +53,8 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t smem_addr, uint32_t lead
 // The descriptor of the part `bytes` past a tile's start: the tile's descriptor with bytes / 16
 // added to its start-address field, which cannot carry into the next field (shared-window
 // addresses stay below 2^18, and the part lies inside the tile). So the tile's descriptor is
-// built once and each MMA's costs one 32-bit add, where masking and shifting every part's own
-// address put a chain of four uniform-datapath instructions in front of each wgmma.
+// built once and each MMA's descriptor costs one 32-bit add, where masking and shifting every
+// part's own address put a chain of four uniform-datapath instructions in front of each wgmma.
 __device__ __forceinline__ uint64_t advanced(uint64_t tile_desc, uint32_t bytes) {
   const uint32_t start = static_cast<uint32_t>(tile_desc) + (bytes >> 4);
   return (tile_desc & 0xFFFFFFFF00000000ull) | start;
