@@ -21,7 +21,7 @@ from common import bar_plot, progress, sets_for_bytes, time_graph, time_graphs_i
 
 # The prefill kernels timed side by side (gqa_torch._C._set_prefill_route); "ours" is the default.
 ROUTES = ("mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv",
-          "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp")
+          "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3")
 GRID = [(8, 1024, 128), (2, 4096, 128), (1, 16384, 128), (2, 4096, 64), (2, 4096, 256)]  # B, L, D
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16

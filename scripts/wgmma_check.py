@@ -65,7 +65,8 @@ def main() -> int:
                 v = torch.randn(1, s, d, device="cuda", dtype=dtype)
                 ref = run(q, k, v, s + 8, "mma").float()
                 for route in ("wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
-                              "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp"):
+                              "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp",
+                              "wgmma_ws_kv_pipe3"):
                     out = run(q, k, v, s + 8, route).float()
                     diff = (out - ref).abs()
                     rel = (diff.max() / ref.abs().max()).item()

@@ -80,7 +80,7 @@ constexpr float kRescaleThreshold = 8.f;
 // has no TMA encoder), so the computing warpgroups never meet at a CTA-wide barrier; the register
 // file is split between them (setmaxnreg). With wgmma, the default on sm90 (launch_default).
 template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1,
-          bool WGMMA_ = false, int WS_ = 0>
+          bool WGMMA_ = false, int WS_ = 0, bool EXP_AHEAD_ = false>
 struct Config {
   static constexpr int D = D_;
   static constexpr int kWarps = WARPS_;
@@ -92,6 +92,9 @@ struct Config {
   static constexpr bool kPipe = PIPE_;  // S of tile t+1 issued before P V of tile t
   static constexpr int kSub = SUB_;     // BN-key sub-tiles per shared-memory stage
   static constexpr int kStageKeys = BN_ * SUB_;
+  // The plain wgmma order's unmasked tiles take softmax_ahead() (the pipelined order's always
+  // do). Not where it spills: three computing warpgroups at D = 64 (152 registers a thread).
+  static constexpr bool kExpAhead = EXP_AHEAD_;
   static constexpr bool kWarpSpecialized = WS_ != 0;
   // WS_ == 2: K and V of a stage have their own mbarriers, so that K is handed back as soon as
   // S = Q K^T is done and V after P V (one pair for both: a stage frees only after P V).
@@ -165,7 +168,7 @@ struct Args {
   // block holding the tile's first token), from the stage it loaded; prep skips those rows.
   int32_t append_new;
   int32_t new_tma;      // append_new: the new rows' tiles by TMA through k_new_map / v_new_map
-  // The pipelined kernel with two computing warpgroups only (route 10): the warpgroups take
+  // The pipelined kernel with two computing warpgroups only (routes 10, 11): the warpgroups take
   // turns issuing each step's MMAs (named barriers kTurnBarrier + warpgroup), so that one's
   // group runs whole on the tensor cores while the other is in its softmax.
   int32_t pingpong;
@@ -357,11 +360,9 @@ struct WarpTile {
     }
   }
 
-  // Softcap, mask, online softmax of one tile of scores; P (packed halves) out, and the
-  // per-row factor by which O must be rescaled (returns whether any row of the warp moved).
+  // Softcap and mask, in place: the scores as softmax() and softmax_ahead() take them.
   template <bool kMask, bool kCap>
-  __device__ __forceinline__ bool softmax(float (&sc)[MT][NT][4], uint32_t (&pa)[MT][BN / 16][4],
-                                          int n0, float (&alpha)[NR]) {
+  __device__ __forceinline__ void shape_scores(float (&sc)[MT][NT][4], int n0) const {
     if constexpr (kCap) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -393,37 +394,20 @@ struct WarpTile {
             if (j < row_lo[i] || j >= row_hi[i]) sc[mt][n][e] = -INFINITY;
           }
     }
-    // Row maxima in four interleaved partials a row (by n-tile): the maxima gate every
-    // exponential, and the softmax sits between the S wait and the next MMA issue, so one chain
-    // of NT dependent FMNMX a row was on the tile's critical path (a full pairwise tree kept 32
-    // more values live and spilled at fp16).
-    float mx[NR];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < NT; ++n) part[n & 3] = fmaxf(part[n & 3], fmaxf(sc[mt][n][2 * h], sc[mt][n][2 * h + 1]));
-        mx[2 * mt + h] = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-      }
-    bool grow = false;
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
-      grow |= (mx[i] - m_ref[i]) * k2 > kRescaleThreshold;  // false when both are -inf (NaN)
-    }
-    const bool any = __any_sync(kFull, grow);
-    float nb[NR];
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      const float mn = any ? fmaxf(m_ref[i], mx[i]) : m_ref[i];
-      alpha[i] = mn == -INFINITY ? 1.f : fast_exp2((m_ref[i] - mn) * k2);
-      m_ref[i] = mn;
-      nb[i] = mn == -INFINITY ? 0.f : -mn * k2;
-    }
-    float rs[NR];
+  }
+
+  // Online softmax of one tile of scores (softcap and mask first): P (packed halves) out, and
+  // the per-row factor by which O must be rescaled (returns whether any row of the warp moved).
+  template <bool kMask, bool kCap>
+  __device__ __forceinline__ bool softmax(float (&sc)[MT][NT][4], uint32_t (&pa)[MT][BN / 16][4],
+                                          int n0, float (&alpha)[NR]) {
+    shape_scores<kMask, kCap>(sc, n0);
+    float mx[NR], nb[NR], rs[NR];
+    row_max(sc, mx);
+    const bool move = bases_must_move(mx);
+    move_bases(mx, move, alpha, nb);
+    // P in place of the scores, then packed (exponentiate() keeps the scores for
+    // softmax_ahead(); here that cost the mma.sync kernels 4-8 more bytes of spill).
 #pragma unroll
     for (int i = 0; i < NR; ++i) rs[i] = 0.f;
 #pragma unroll
@@ -433,9 +417,8 @@ struct WarpTile {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = mt * 2 + (e >> 1);
-          const float pe = fast_exp2(fmaf(sc[mt][n][e], k2, nb[i]));
-          sc[mt][n][e] = pe;
-          rs[i] += pe;  // one chain: the MUFU issue rate, not the add, paces it
+          sc[mt][n][e] = fast_exp2(fmaf(sc[mt][n][e], k2, nb[i]));
+          rs[i] += sc[mt][n][e];
         }
 #pragma unroll
     for (int i = 0; i < NR; ++i) l_sum[i] = fmaf(l_sum[i], alpha[i], rs[i]);
@@ -448,7 +431,109 @@ struct WarpTile {
         pa[mt][j][2] = H::pack(sc[mt][2 * j + 1][0], sc[mt][2 * j + 1][1]);
         pa[mt][j][3] = H::pack(sc[mt][2 * j + 1][2], sc[mt][2 * j + 1][3]);
       }
-    return any;
+    return move;
+  }
+
+  // Each row's max over this tile: four interleaved partials a row in the thread (the first
+  // four n-tiles start them), then across the row's four lanes. Four short chains, not one of
+  // NT dependent FMNMX a row (on the critical path of softmax()); a full pairwise tree kept 32
+  // more values live and spilled at fp16.
+  __device__ __forceinline__ void row_max(const float (&sc)[MT][NT][4], float (&mx)[NR]) const {
+    static_assert(NT >= 4, "four partials a row");
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float part[4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const float pair = fmaxf(sc[mt][n][2 * h], sc[mt][n][2 * h + 1]);
+          part[n & 3] = n < 4 ? pair : fmaxf(part[n & 3], pair);
+        }
+        mx[2 * mt + h] = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+      }
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+    }
+  }
+
+  // P = exp2(s k2 + nb) of each row, packed into pa, and each row's sum of P. The scores stay
+  // as they are: softmax_ahead() may need them again.
+  __device__ __forceinline__ void exponentiate(const float (&sc)[MT][NT][4], const float (&nb)[NR],
+                                               uint32_t (&pa)[MT][BN / 16][4], float (&rs)[NR]) const {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) rs[i] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j) {
+        float pe[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = mt * 2 + (e >> 1);
+            pe[u][e] = fast_exp2(fmaf(sc[mt][2 * j + u][e], k2, nb[i]));
+            rs[i] += pe[u][e];  // one chain: the MUFU issue rate, not the add, paces it
+          }
+        pa[mt][j][0] = H::pack(pe[0][0], pe[0][1]);
+        pa[mt][j][1] = H::pack(pe[0][2], pe[0][3]);
+        pa[mt][j][2] = H::pack(pe[1][0], pe[1][1]);
+        pa[mt][j][3] = H::pack(pe[1][2], pe[1][3]);
+      }
+  }
+
+  // Whether any row of the warp must move its base: its max grew by more than
+  // kRescaleThreshold (false for a row whose max and base are both -inf: NaN compares false).
+  __device__ __forceinline__ bool bases_must_move(const float (&mx)[NR]) const {
+    bool grow = false;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) grow |= (mx[i] - m_ref[i]) * k2 > kRescaleThreshold;
+    return __any_sync(kFull, grow);
+  }
+
+  // The rows' bases, moved to their maxima when `move` (every row of the warp at once): the
+  // factor alpha by which O and l_sum scale, and the exponent offset nb of P = exp2(s k2 + nb).
+  __device__ __forceinline__ void move_bases(const float (&mx)[NR], bool move, float (&alpha)[NR],
+                                             float (&nb)[NR]) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const float mn = move ? fmaxf(m_ref[i], mx[i]) : m_ref[i];
+      alpha[i] = mn == -INFINITY ? 1.f : fast_exp2((m_ref[i] - mn) * k2);
+      m_ref[i] = mn;
+      nb[i] = mn == -INFINITY ? 0.f : -mn * k2;
+    }
+  }
+
+  // softmax() for the steady state, where a row's base rarely moves: P is first taken against
+  // the current bases, so that the exponentials (paced by the MUFU issue rate) run alongside the
+  // row maxima, the shuffles and the vote instead of after them; only when the vote says a base
+  // moves are they taken again. Both ways give softmax()'s bits: unmoved bases make its alpha 1
+  // and its l_sum update an exact add. (An unmoved base of -inf gives nb 0, as in softmax().)
+  template <bool kMask, bool kCap>
+  __device__ __forceinline__ bool softmax_ahead(float (&sc)[MT][NT][4], uint32_t (&pa)[MT][BN / 16][4],
+                                                int n0, float (&alpha)[NR]) {
+    shape_scores<kMask, kCap>(sc, n0);
+    float nb[NR], rs[NR], mx[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) nb[i] = m_ref[i] == -INFINITY ? 0.f : -m_ref[i] * k2;
+    exponentiate(sc, nb, pa, rs);
+    row_max(sc, mx);
+    if (!bases_must_move(mx)) {
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        alpha[i] = 1.f;
+        l_sum[i] += rs[i];
+      }
+      return false;
+    }
+    move_bases(mx, true, alpha, nb);
+    exponentiate(sc, nb, pa, rs);
+#pragma unroll
+    for (int i = 0; i < NR; ++i) l_sum[i] = fmaf(l_sum[i], alpha[i], rs[i]);
+    return true;
   }
 
   __device__ __forceinline__ void rescale(const float (&alpha)[NR]) {
@@ -526,7 +611,10 @@ struct WarpTile {
     float alpha[NR];
     compute_s_wg(sc, q_tile, k_tile);
     after_s();
-    if (softmax<kMask, kCap>(sc, pa, n0, alpha)) rescale(alpha);
+    bool rescale_o;
+    if constexpr (C::kExpAhead && !kMask) rescale_o = softmax_ahead<kMask, kCap>(sc, pa, n0, alpha);
+    else rescale_o = softmax<kMask, kCap>(sc, pa, n0, alpha);
+    if (rescale_o) rescale(alpha);
     before_pv();
     pv_wg(pa, v_tile);
   }
@@ -568,7 +656,7 @@ struct WarpTile {
     wg::pin_registers(acc);
     after_s();
     float alpha[NR];
-    const bool rescale_o = softmax<kMask, kCap>(sc, pn, n0_next, alpha);
+    const bool rescale_o = softmax_ahead<kMask, kCap>(sc, pn, n0_next, alpha);
     // The softmax must stay above the wait for P V or nothing overlaps: ptxas does not move
     // arithmetic across the warpgroup barrier (register pins alone did not hold it).
     wg::pin_registers(reinterpret_cast<uint32_t (&)[BN / 4]>(pn));
@@ -1450,7 +1538,10 @@ using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 // on the tensor cores while the third is in its softmax; with two, D = 64 was bound by that
 // chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313 TFLOP/s with two.
 using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
-using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true>;
+// D = 128 (route 5, and auto below 2048 tokens) with its exponentials ahead of the row maxima
+// (Config::kExpAhead): H200, bf16, causal, 32/8 heads, 1.013x without at B=8 L=1024 (interleaved
+// A/B, fourteenth round; the same bits).
+using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true, true>;
 // D = 256 (route 5; auto takes Cfg256WS80 below): O alone is 128 registers a thread, so 64-key
 // tiles (S 32 more) and two stages (193 KB of shared memory, room for one Q tile): 467 against
 // 260 TFLOP/s for mma.sync.
@@ -1465,6 +1556,15 @@ using Cfg128WSKV = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, 2>;
 using Cfg256WSKV = Config<256, 8, 1, 64, 2, false, 1, false, 1, true, 2>;
 using Cfg64WSKVP = Config<64, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
+// Route 11 and auto at padded head size 128 from 2048 tokens: Cfg128WSKVP (route 10, with its
+// turns) with three K/V stages. That leaves room for one Q tile (225 KB), so the block's Q goes
+// back after its last S and O is written from registers, as at D = 256. Why: the profile of
+// route 10 put 12% of a computing warp's loop at its top, waiting for K and V; a third stage
+// gives each load one more tile of lead. H200, bf16, causal, 32/8 heads, interleaved A/B over
+// route 10: 1.020 at B=2 L=4096, 1.023 at B=1 L=8192, 1.059 at B=1 L=16384. With the
+// exponentials ahead of the row maxima (every pipelined kernel's tile_pipe_wg, fourteenth
+// round), over route 5: 1.05 at B=4 L=2048, 0.98 at B=8 L=1024 (hence 2048 tokens).
+using Cfg128WSKVP3 = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2>;
 // Route 9 and auto at D = 256: Cfg256WS with 80-key tiles, so that each tile's fixed
 // costs (the full-barrier wait, the row max / sum shuffles and the rescale vote, the mask
 // choice) spread over 25% more keys. Two stages of 80 keys are 160 KB, with the 64 KB Q tile
@@ -1472,7 +1572,9 @@ using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 // thread (P 20) next to O's 128. One barrier pair per stage (WS = 1), as route 5: with split
 // K/V barriers (route 7) D = 256 measured within 1% of route 5, and keeping the route 5
 // kernel otherwise unchanged lets an A/B of routes 5 and 9 measure the tile size alone.
-using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true>;
+// Exponentials ahead of the row maxima (fourteenth round): 1.030x without at B=2 L=4096, 1.043x
+// at B=1 L=8192 (interleaved A/B; the same bits).
+using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 std::atomic<int> g_q_loader{0};  // set_prefill_q_loader: 0 TMA where it can run, 1 cp.async always
@@ -1574,7 +1676,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // removed), 7 and 8 as 5 and 6 with split K/V stage barriers, in the plain and the pipelined
 // order, 9 as 5 with 80-key tiles at padded head size 256 (Cfg256WS80, auto's kernel there),
 // route 5's kernels at 64 and 128, 10 as 8 with the computing warpgroups taking turns to issue
-// their MMAs (auto's kernel at padded head size 128 for prompts of 4096 tokens or more).
+// their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
+// prompts of 2048 tokens or more; route 10's kernels elsewhere).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1592,7 +1695,7 @@ bool launch_ws(Args& a, cudaStream_t stream, int route) {
 }
 
 // The prompt length from which auto takes the pipelined kernel at padded head size 128.
-constexpr int kLongPromptForPipelinedWs = 4096;
+constexpr int kLongPromptForPipelinedWs = 2048;
 
 template <typename T, bool kSplit>
 bool launch_default(Args& a, int dpad, cudaStream_t stream) {
@@ -1611,19 +1714,23 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
         if (dpad == 128) return launch_ws<T, Cfg128WSKV>(a, stream, route);
         if (dpad == 256) return launch_ws<T, Cfg256WSKV>(a, stream, route);
       }
-      // Auto at padded head size 128 takes route 8's kernel for prompts of 4096 tokens or more:
-      // long query blocks, where its overlap of softmax and P V pays, and not below, where the
+      // Auto at padded head size 128 takes the pipelined order for long prompts: long query
+      // blocks, where its overlap of softmax and P V pays, and not for short ones, where the
       // blocks' fill and drain weigh more. H200, bf16, causal, 32/8 heads, interleaved A/B
       // (benchmarks/ab_prefill_routes.py), route 8 over route 5: 0.94 at B=8 L=1024, 0.98 at
-      // B=4 L=2048, 1.03 at B=2 L=4096, 1.08 at B=1 L=8192, 1.14 at B=1 L=16384.
-      // There its two computing warpgroups take turns to issue their MMAs (route 10): 1.010-1.016x
-      // route 8 at B=2 L=4096, B=1 L=8192 and B=1 L=16384 (same A/B, thirteenth round).
-      if ((route == 0 && dpad == 128 && a.p.query_len >= kLongPromptForPipelinedWs) ||
-          (route == 10 && (dpad == 64 || dpad == 128))) {
+      // B=4 L=2048, 1.03 at B=2 L=4096, 1.08 at B=1 L=8192, 1.14 at B=1 L=16384. Its two
+      // computing warpgroups take turns to issue their MMAs (route 10, thirteenth round:
+      // 1.010-1.016x route 8); since the fourteenth round with three K/V stages and the
+      // exponentials ahead (route 11, Cfg128WSKVP3), which moved the threshold to 2048 tokens.
+      if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11)) {
+        a.pingpong = 1;
+        return launch_ws<T, Cfg128WSKVP3>(a, stream, route);
+      }
+      if ((route == 10 || route == 11) && (dpad == 64 || dpad == 128)) {
         a.pingpong = 1;
         return dpad == 64 ? launch_ws<T, Cfg64WSKVP>(a, stream, route) : launch_ws<T, Cfg128WSKVP>(a, stream, route);
       }
-      if (route == 8 || route == 10) {
+      if (route == 8 || route == 10 || route == 11) {
         if (dpad == 64) return launch_ws<T, Cfg64WSKVP>(a, stream, route);
         if (dpad == 128) return launch_ws<T, Cfg128WSKVP>(a, stream, route);
         // D = 256: the pipelined order spills (O alone is 128 registers): route 7's kernel.

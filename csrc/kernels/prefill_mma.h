@@ -43,8 +43,8 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
 
 // Which variant of the kernel prefill takes (tests and benchmarks pin one):
 //   0 auto: on an sm90 device in an sm90a build, the warp-specialised wgmma kernel with
-//           persistent CTAs (route 6's at padded head size 64; at 128 route 10's for prompts
-//           of 4096 tokens or more, route 5's below; route 9's at 256) or, for a split key
+//           persistent CTAs (route 6's at padded head size 64; at 128 route 11's for prompts
+//           of 2048 tokens or more, route 5's below; route 9's at 256) or, for a split key
 //           range, the plain wgmma kernel (64, 128); mma.sync otherwise;
 //   1 mma.sync always; 2 the plain wgmma kernel where it can run (64, 128);
 //   3 the warp-specialised kernel, one CTA per query block; 4 the same with cp.async instead
@@ -54,7 +54,11 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
 //   the pipelined order (the softmax of one tile overlaps P V of the previous; at 256 route
 //   7's kernel, since the pipelined one spills there); 9 as 5 with 80-key K/V tiles at padded
 //   head size 256 (auto's kernel there; route 5's kernels at 64 and 128); 10 route 8's kernel
-//   with its two computing warpgroups taking turns to issue each step's MMAs (at 256, route 7's).
+//   with its two computing warpgroups taking turns to issue each step's MMAs (at 256, route 7's);
+//   11 as 10 with three K/V stages and one Q tile at padded head size 128 (route 10's kernels
+//   elsewhere). The pipelined kernels, and routes 5 and 9 at padded head sizes 128 and 256,
+//   exponentiate each tile's scores against the rows' current bases before the row maxima are
+//   known, and again only when a base moves (softmax_ahead: the same bits either way).
 void set_prefill_route(int route);
 
 // How the warp-specialised kernels' loader stages each query block's Q tile: 0 (auto) by TMA
