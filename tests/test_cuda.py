@@ -159,8 +159,8 @@ def test_cuda_prefill_long(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_cuda_prefill_auto_long_prompt(dtype):
-    """A prompt of 8192 tokens at head size 128: from 4096 tokens "auto" takes the pipelined
-    kernel with split K/V barriers (route wgmma_ws_kv_pipe's) on sm90, below it the persistent
+    """A prompt of 8192 tokens at head size 128: from 2048 tokens "auto" takes the pipelined
+    kernel with three K/V stages (route wgmma_ws_kv_pipe3's) on sm90, below it the persistent
     one; in place, with rotary on a packed input, against the float64 reference and the CPU
     backend (test_cuda_prefill_long covers 4096)."""
     case = make_case("inplace", batch=1, seq=8192, num_heads=2, kv_num_heads=1, head_dim=128, capacity=8192 + 64,
@@ -205,7 +205,7 @@ PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_pers
 @pytest.fixture(params=PREFILL_ROUTES)
 def prefill_route(request):
     """Pins the prefill kernel (the default, "auto", takes wgmma_ws3 for padded head size 64,
-    wgmma_ws_persistent for 128 (wgmma_ws_kv_pipe from 4096 tokens) and wgmma_ws_bn80 for 256
+    wgmma_ws_persistent for 128 (wgmma_ws_kv_pipe3 from 2048 tokens) and wgmma_ws_bn80 for 256
     on sm90, else mma), so that every kernel stays tested at every head size; wgmma_ws_bn80 has
     a kernel of its own (80-key tiles) at padded head size 256 only (head sizes 192 and 256
     here), route wgmma_ws_persistent's below. Every route of a test gets the same inputs (seeded from the

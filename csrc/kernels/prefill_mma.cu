@@ -1539,8 +1539,8 @@ using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
 // chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313 TFLOP/s with two.
 using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
 // D = 128 (route 5, and auto below 2048 tokens) with its exponentials ahead of the row maxima
-// (Config::kExpAhead): H200, bf16, causal, 32/8 heads, 1.013x without at B=8 L=1024 (interleaved
-// A/B, fourteenth round; the same bits).
+// (Config::kExpAhead): H200, bf16, causal, 32/8 heads, 1.013x the same kernel without them at
+// B=8 L=1024 (interleaved A/B, fourteenth round; the same bits).
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true, true>;
 // D = 256 (route 5; auto takes Cfg256WS80 below): O alone is 128 registers a thread, so 64-key
 // tiles (S 32 more) and two stages (193 KB of shared memory, room for one Q tile): 467 against
@@ -1572,8 +1572,8 @@ using Cfg128WSKVP3 = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2>;
 // thread (P 20) next to O's 128. One barrier pair per stage (WS = 1), as route 5: with split
 // K/V barriers (route 7) D = 256 measured within 1% of route 5, and keeping the route 5
 // kernel otherwise unchanged lets an A/B of routes 5 and 9 measure the tile size alone.
-// Exponentials ahead of the row maxima (fourteenth round): 1.030x without at B=2 L=4096, 1.043x
-// at B=1 L=8192 (interleaved A/B; the same bits).
+// Exponentials ahead of the row maxima (fourteenth round): 1.030x the same kernel without them
+// at B=2 L=4096, 1.043x at B=1 L=8192 (interleaved A/B; the same bits).
 using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
