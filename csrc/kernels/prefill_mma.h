@@ -56,9 +56,10 @@ bool prefill_mma_covers(const Params& p, const void* q, TokenStrides q_strides);
 //   head size 256 (auto's kernel there; route 5's kernels at 64 and 128); 10 route 8's kernel
 //   with its two computing warpgroups taking turns to issue each step's MMAs (at 256, route 7's);
 //   11 as 10 with three K/V stages and one Q tile at padded head size 128 (route 10's kernels
-//   elsewhere). The pipelined kernels, and routes 5 and 9 at padded head sizes 128 and 256,
-//   exponentiate each tile's scores against the rows' current bases before the row maxima are
-//   known, and again only when a base moves (softmax_ahead: the same bits either way).
+//   elsewhere). The pipelined kernels, route 5's kernel at padded head size 128 and route 9's
+//   at 256 exponentiate each tile's scores against the rows' current bases before the row
+//   maxima are known, and again only when a base moves (softmax_ahead: the same bits either
+//   way).
 void set_prefill_route(int route);
 
 // How the warp-specialised kernels' loader stages each query block's Q tile: 0 (auto) by TMA
