@@ -69,7 +69,13 @@ def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict
     graphs replayed in turn, round after round. Timed one after another, the same kernel read
     497 and 525 TFLOP/s within one run on an H200 (its clocks drift); interleaved, the drift
     hits every step alike, so that their ratios hold. A step that cannot run or be captured
-    reads nan."""
+    reads nan.
+
+    Each timed replay follows an untimed replay of the same graph, and the rounds alternate
+    their direction. A power-capped H200 (about 690 W on long prefills) clocks a graph higher
+    when it follows a graph that drew less power: in a fixed order, with SDPA flash's graph
+    before cuDNN's, ours / cuDNN read 0.94 at B=1 L=16384 D=128, and 1.16 with ours after
+    flash; alternating the two alone read 1.06 in either order (2026-11-30)."""
     calls = max(n_sets, 8)
     graphs = {}
     for name, step in steps.items():
@@ -80,8 +86,10 @@ def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict
     for graph in graphs.values():  # untimed: the clocks and caches settle
         graph.replay()
     times = {name: [] for name in graphs}
-    for _ in range(replays):
-        for name, graph in graphs.items():
+    for round_ in range(replays):
+        order = list(graphs.items()) if round_ % 2 == 0 else list(graphs.items())[::-1]
+        for name, graph in order:
+            graph.replay()  # untimed: the clocks settle on this step's own draw
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graph.replay()
