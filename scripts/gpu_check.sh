@@ -2,12 +2,14 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|sweep|probe|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|sweep|probe|ab|order|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests); GQA_TEST_K a
 # pytest -k expression; GQA_TEST_ARGS more pytest arguments (split on spaces); GQA_BENCH_ARGS and
-# GQA_PREFILL_ARGS the arguments of bench_decode.py and bench_prefill.py.
+# GQA_PREFILL_ARGS the arguments of bench_decode.py and bench_prefill.py; GQA_AB_ARGS those of
+# ab_prefill_routes.py (the "ab" step: an interleaved A/B of prefill routes), GQA_ORDER_SHAPES
+# the shapes of interleave_order.py (the "order" step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-$PWD/gpu_out}
@@ -81,6 +83,13 @@ for step in $steps; do
     sweep)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 sweep_decode_splits.py) > "$OUT/sweep.log" 2>&1 || status=1
       tail -20 "$OUT/sweep.log" ;;
+    ab)
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 ab_prefill_routes.py ${GQA_AB_ARGS:-}) > "$OUT/ab.log" 2>&1 || status=1
+      grep -E "^\||^device" "$OUT/ab.log" | tail -20 ;;
+    order)
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 interleave_order.py ${GQA_ORDER_SHAPES:-2x4096x128 1x16384x128}) \
+        > "$OUT/order.log" 2>&1 || status=1
+      grep "ours/cudnn" "$OUT/order.log" ;;
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
       tail -20 "$OUT/bench_e2e.log" ;;
