@@ -14,10 +14,10 @@ import argparse
 import statistics
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 import gqa_torch
+from bench_prefill import causal_flops, sdpa_step
 from common import capture_graph, sets_for_bytes, warm_up_gpu
 
 HQ, HKV = 32, 8
@@ -53,13 +53,8 @@ def steps_for(b: int, length: int, d: int):
         gqa_torch.group_query_attention_(q, k, v, caches[i][0], caches[i][1], seqlens, num_heads=HQ,
                                          kv_num_heads=HKV)
 
-    def sdpa(backend):
-        def step(i):
-            with sdpa_kernel([backend]):
-                F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, enable_gqa=True)
-        return step
-
-    return n, {"ours": ours, "flash": sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    return n, {"ours": ours, "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
+               "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
 
 
 def time_in_order(graphs, calls, order_of_round, rounds, untimed_before, probes):
@@ -102,7 +97,7 @@ def main():
         n, steps = steps_for(b, length, d)
         calls = max(n, 8)
         graphs = {name: capture_graph(step, n, calls) for name, step in steps.items()}
-        flops = 4 * b * HQ * length * length * d / 2
+        flops = causal_flops(b, length, d, HQ)
         for label, order, untimed_before in schemes:
             res = time_in_order(graphs, calls, order, args.rounds, untimed_before, probes)
             tflops = {name: flops / (r[0] * 1e-6) / 1e12 for name, r in res.items()}

@@ -730,7 +730,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           const int s = r / G, h = kvh * G + (r - s * G);
           uint32_t* const row_out = reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(s) * p.output_strides.token +
                                                                 static_cast<int64_t>(h) * p.output_strides.head) +
-                                    (lane & 3);  // column d * 8 + (lane & 3) * 2 is word d * 4
+                                    (lane & 3);  // row_out[d * 4]: columns d * 8 + (lane & 3) * 2, + 1
           const bool valid = r < valid_rows;  // first-prompt padding rows are exactly 0
           const float fi = f[mt * 2 + hh];
           uint32_t words[DT];
