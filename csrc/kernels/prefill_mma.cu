@@ -797,6 +797,22 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
   for (int r = 0; work < a.num_work; ++r) {
     const int next = block_of_round(r + 1);
     const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
+    if constexpr (kRole == Role::kLoader) {
+      // The next block's Q tile into L2 as this block starts streaming. Its TMA load is issued
+      // only once the computing warpgroups have done this block's last S (one Q buffer,
+      // kEarlyQRelease), about a tile before they need it; from HBM it arrived late (the Q
+      // wait held 0.85% of route 11's stall samples at B2 L4096, fifteenth round).
+      if (C::kEarlyQRelease && a.q_tma && a.prefetch_q && next < a.num_work &&
+          threadIdx.x == C::kConsumerThreads) {
+        const BlockCoords nb = block_coords(a, next);
+        const int G = a.p.group_size;
+#pragma unroll
+        for (int wgt = 0; wgt < C::BM / 64; ++wgt)
+#pragma unroll
+          for (int cb = 0; cb < C::D / 64; ++cb)
+            detail::tma_prefetch_l2_4d(&a.q_map, cb * 64, nb.kvh * G, (nb.mblk * C::BM + wgt * 64) / G, nb.b);
+      }
+    }
     prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, seqlen);
     work = next;
     seqlen = next_seqlen;
@@ -1029,7 +1045,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // order, 9 as 5 with 80-key tiles at padded head size 256 (Cfg256WS80, auto's kernel there),
 // route 5's kernels at 64 and 128, 10 as 8 with the computing warpgroups taking turns to issue
 // their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
-// prompts of 2048 tokens or more; route 10's kernels elsewhere).
+// prompts of 2048 tokens or more; route 10's kernels elsewhere), 12 (experimental) as 11 at 128
+// and 9 at 256 with the next block's Q prefetched into L2 (Args::prefetch_q).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1074,7 +1091,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // computing warpgroups take turns to issue their MMAs (route 10, thirteenth round:
       // 1.010-1.016x route 8); since the fourteenth round with three K/V stages and the
       // exponentials ahead (route 11, Cfg128WSKVP3), which moved the threshold to 2048 tokens.
-      if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11)) {
+      a.prefetch_q = route == 12 ? 1 : 0;
+      if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || route == 12)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);
       }
@@ -1092,7 +1110,7 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // below); auto takes them there. H200, bf16, causal, 32/8 heads, interleaved A/B against
       // route 5: 523 against 498 TFLOP/s at B=2 L=4096, 592 against 558 at B=1 L=8192 (a
       // cross-block carry of route 8's pipeline, wip/prefill-xblock, measured 0.93x route 8).
-      if ((route == 9 || route == 0) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
+      if ((route == 9 || route == 0 || route == 12) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
       if (dpad == 64)
         return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);

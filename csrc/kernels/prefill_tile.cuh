@@ -137,6 +137,9 @@ struct Args {
   // turns issuing each step's MMAs (named barriers kTurnBarrier + warpgroup), so that one's
   // group runs whole on the tensor cores while the other is in its softmax.
   int32_t pingpong;
+  // Experimental (route 12, x_q_prefetch): the loader brings the next block's Q tile into L2 as
+  // a block starts (the kernels with one Q buffer and Q by TMA).
+  int32_t prefetch_q;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
   CUtensorMap v_map;

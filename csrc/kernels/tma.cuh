@@ -91,6 +91,17 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
 #endif
 }
 
+// TMA: one box of a 4-D tensor map brought into L2 only (a hint: nothing waits for it, and
+// boxes past the tensor's bounds are clipped).
+__device__ __forceinline__ void tma_prefetch_l2_4d(const void* tensor_map, int c0, int c1, int c2, int c3) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+#endif
+}
+
 // TMA: one box from shared memory to a 4-D tensor map's global memory (boxes past the tensor's
 // bounds are clipped), in this thread's bulk-async group; bulk_commit closes the group.
 // The shared memory must not be overwritten before bulk_wait_read, nor the kernel exit before
