@@ -80,7 +80,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const Params& p = a.p;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  const BlockCoords bc = block_coords(a, work);
+  const BlockCoords bc = block_coords<C::kWarpSpecialized>(a, work);
   const int kvh = bc.kvh, b = bc.b;
   const int G = p.group_size;
   const int nrows = p.query_len * G;
@@ -88,6 +88,10 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const int wrow0 = m0 + warp * C::kWarpRows;
 
   constexpr bool computes = kRole != Role::kLoader;
+  // L2 priorities of the warp-specialised kernels' TMA copies and O stores (Args::l2_hints),
+  // made where they are used (a policy held across the loop cost the loader registers).
+  auto l2_keep = [&] { return a.l2_hints ? detail::l2_evict_last_policy() : detail::l2_evict_normal_policy(); };
+  auto l2_stream = [&] { return a.l2_hints ? detail::l2_evict_first_policy() : detail::l2_evict_normal_policy(); };
   // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
   const RowGeometry geo = row_geometry(p, seqlen);
   constexpr bool split_k = kSplit;  // then the merge writes every output row, these included
@@ -299,8 +303,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           for (int wgt = 0; wgt < C::BM / 64; ++wgt) {
 #pragma unroll
             for (int cb = 0; cb < D / 64; ++cb)
-              wg::tma_load_4d(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G, (m0 + wgt * 64) / G,
-                              b, q_full);
+              detail::tma_load_4d_hint(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G,
+                                       (m0 + wgt * 64) / G, b, q_full, l2_stream());
           }
         } else {
           wg::mbarrier_arrive(q_full);
@@ -347,7 +351,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           const CUtensorMap* map = row_new ? (is_v ? &a.v_new_map : &a.k_new_map) : (is_v ? &a.v_map : &a.k_map);
 #pragma unroll
           for (int cb = 0; cb < D / 64; ++cb)  // 64-column blocks of the blocked tile
-            wg::tma_load_4d(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar);
+            detail::tma_load_4d_hint(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar,
+                                     l2_keep());
         };
         const uint32_t k_dst = k_base + stage * C::kTileBytes, v_dst = v_base + stage * C::kTileBytes;
         if constexpr (C::kSplitKV) {
@@ -483,8 +488,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb) {
           const uint32_t off = cb * C::kStageKeys * 128;
-          if (k) detail::tma_store_4d(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
-          if (v) detail::tma_store_4d(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
+          if (k) detail::tma_store_4d_hint(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b, l2_stream());
+          if (v) detail::tma_store_4d_hint(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b, l2_stream());
         }
         detail::bulk_commit();
       };
@@ -733,17 +738,18 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
                                     (lane & 3);  // row_out[d * 4]: columns d * 8 + (lane & 3) * 2, + 1
           const bool valid = r < valid_rows;  // first-prompt padding rows are exactly 0
           const float fi = f[mt * 2 + hh];
+          const uint64_t o_policy = l2_stream();
           uint32_t words[DT];
 #pragma unroll
           for (int d = 0; d < DT; ++d)
             words[d] = valid ? H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi) : 0u;
           if (all_columns) {
 #pragma unroll
-            for (int d = 0; d < DT; ++d) row_out[d * 4] = words[d];
+            for (int d = 0; d < DT; ++d) detail::st_global_b32_hint(row_out + d * 4, words[d], o_policy);
           } else {
 #pragma unroll
             for (int d = 0; d < DT; ++d)
-              if (d * 8 + (lane & 3) * 2 < p.head_dim) row_out[d * 4] = words[d];
+              if (d * 8 + (lane & 3) * 2 < p.head_dim) detail::st_global_b32_hint(row_out + d * 4, words[d], o_policy);
           }
         }
       return;
@@ -793,10 +799,10 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     return r * g + (r & 1 ? g - 1 - c : c);
   };
   int work = block_of_round(0);
-  int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords(a, work).b] : 0;
+  int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords<true>(a, work).b] : 0;
   for (int r = 0; work < a.num_work; ++r) {
     const int next = block_of_round(r + 1);
-    const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
+    const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords<true>(a, next).b] : 0;
     if constexpr (kRole == Role::kLoader) {
       // The next block's Q tile into L2 as this block starts streaming. Its TMA load is issued
       // only once the computing warpgroups have done this block's last S (one Q buffer,
@@ -804,7 +810,7 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
       // wait held 0.85% of route 11's stall samples at B2 L4096, fifteenth round).
       if (C::kEarlyQRelease && a.q_tma && a.prefetch_q && next < a.num_work &&
           threadIdx.x == C::kConsumerThreads) {
-        const BlockCoords nb = block_coords(a, next);
+        const BlockCoords nb = block_coords<true>(a, next);
         const int G = a.p.group_size;
 #pragma unroll
         for (int wgt = 0; wgt < C::BM / 64; ++wgt)
@@ -873,7 +879,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     if (a.append_new && threadIdx.x == 0) detail::bulk_wait_all();
   } else {
     const int work = static_cast<int>(blockIdx.x);
-    prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, a.p.seqlens_k[block_coords(a, work).b]);
+    prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, a.p.seqlens_k[block_coords<false>(a, work).b]);
   }
 }
 
@@ -1045,8 +1051,10 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // order, 9 as 5 with 80-key tiles at padded head size 256 (Cfg256WS80, auto's kernel there),
 // route 5's kernels at 64 and 128, 10 as 8 with the computing warpgroups taking turns to issue
 // their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
-// prompts of 2048 tokens or more; route 10's kernels elsewhere), 12 (experimental) as 11 at 128
-// and 9 at 256 with the next block's Q prefetched into L2 (Args::prefetch_q).
+// prompts of 2048 tokens or more; route 10's kernels elsewhere); experimental, auto's kernels
+// (route 11's at 128 at any length) with: 12 the next block's Q prefetched into L2
+// (Args::prefetch_q), 13 L2 eviction priorities (Args::l2_hints), 14 the work in head-major
+// order (Args::head_major), 15 both.
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1091,8 +1099,13 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // computing warpgroups take turns to issue their MMAs (route 10, thirteenth round:
       // 1.010-1.016x route 8); since the fourteenth round with three K/V stages and the
       // exponentials ahead (route 11, Cfg128WSKVP3), which moved the threshold to 2048 tokens.
+      // Experimental routes 12-15: auto's kernels at padded head sizes 128 (route 11's) and 256
+      // (route 9's; at 64, auto's too) with Args::prefetch_q, l2_hints, head_major.
+      const bool experimental = route >= 12 && route <= 15;
       a.prefetch_q = route == 12 ? 1 : 0;
-      if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || route == 12)) {
+      a.l2_hints = route == 13 || route == 15 ? 1 : 0;
+      a.head_major = route == 14 || route == 15 ? 1 : 0;
+      if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || experimental)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);
       }
@@ -1110,9 +1123,9 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // below); auto takes them there. H200, bf16, causal, 32/8 heads, interleaved A/B against
       // route 5: 523 against 498 TFLOP/s at B=2 L=4096, 592 against 558 at B=1 L=8192 (a
       // cross-block carry of route 8's pipeline, wip/prefill-xblock, measured 0.93x route 8).
-      if ((route == 9 || route == 0 || route == 12) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
+      if ((route == 9 || route == 0 || experimental) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
       if (dpad == 64)
-        return route == 0 || route == 6 ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
+        return route == 0 || route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }

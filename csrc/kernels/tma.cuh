@@ -91,6 +91,51 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
 #endif
 }
 
+// L2 eviction policies for the copies below that take one (createpolicy: the whole access at
+// that priority). evict_normal is what an access without a policy gets.
+__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
+  uint64_t policy = 0;
+#if GQA_ASYNC_COPY_ENABLED
+  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy = 0;
+#if GQA_ASYNC_COPY_ENABLED
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t policy = 0;
+#if GQA_ASYNC_COPY_ENABLED
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+
+// tma_load_4d with an L2 eviction policy (l2_evict_*_policy).
+__device__ __forceinline__ void tma_load_4d_hint(uint32_t dst, const void* tensor_map, int c0, int c1, int c2, int c3,
+                                                 uint32_t bar, uint64_t policy) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3, "
+      "%4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
+      : "memory");
+#endif
+}
+
+// A 4-byte global store with an L2 eviction policy.
+__device__ __forceinline__ void st_global_b32_hint(void* ptr, uint32_t value, uint64_t policy) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(ptr), "r"(value), "l"(policy) : "memory");
+#else
+  *static_cast<uint32_t*>(ptr) = value;
+#endif
+}
+
 // TMA: one box of a 4-D tensor map brought into L2 only (a hint: nothing waits for it, and
 // boxes past the tensor's bounds are clipped).
 __device__ __forceinline__ void tma_prefetch_l2_4d(const void* tensor_map, int c0, int c1, int c2, int c3) {
@@ -111,6 +156,16 @@ __device__ __forceinline__ void tma_store_4d(const void* tensor_map, uint32_t sr
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                    reinterpret_cast<uint64_t>(tensor_map)),
                "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+#endif
+}
+// tma_store_4d with an L2 eviction policy (l2_evict_*_policy).
+__device__ __forceinline__ void tma_store_4d_hint(const void* tensor_map, uint32_t src, int c0, int c1, int c2, int c3,
+                                                  uint64_t policy) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4, %5}], [%1], %6;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(policy)
                : "memory");
 #endif
 }
