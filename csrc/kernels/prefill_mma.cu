@@ -80,7 +80,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const Params& p = a.p;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  const BlockCoords bc = block_coords<C::kWarpSpecialized>(a, work);
+  const BlockCoords bc = block_coords(a, work);
   const int kvh = bc.kvh, b = bc.b;
   const int G = p.group_size;
   const int nrows = p.query_len * G;
@@ -799,10 +799,10 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     return r * g + (r & 1 ? g - 1 - c : c);
   };
   int work = block_of_round(0);
-  int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords<true>(a, work).b] : 0;
+  int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords(a, work).b] : 0;
   for (int r = 0; work < a.num_work; ++r) {
     const int next = block_of_round(r + 1);
-    const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords<true>(a, next).b] : 0;
+    const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
     if constexpr (kRole == Role::kLoader) {
       // The next block's Q tile into L2 as this block starts streaming. Its TMA load is issued
       // only once the computing warpgroups have done this block's last S (one Q buffer,
@@ -810,7 +810,7 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
       // wait held 0.85% of route 11's stall samples at B2 L4096, fifteenth round).
       if (C::kEarlyQRelease && a.q_tma && a.prefetch_q && next < a.num_work &&
           threadIdx.x == C::kConsumerThreads) {
-        const BlockCoords nb = block_coords<true>(a, next);
+        const BlockCoords nb = block_coords(a, next);
         const int G = a.p.group_size;
 #pragma unroll
         for (int wgt = 0; wgt < C::BM / 64; ++wgt)
@@ -879,7 +879,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     if (a.append_new && threadIdx.x == 0) detail::bulk_wait_all();
   } else {
     const int work = static_cast<int>(blockIdx.x);
-    prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, a.p.seqlens_k[block_coords<false>(a, work).b]);
+    prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, a.p.seqlens_k[block_coords(a, work).b]);
   }
 }
 
@@ -1052,9 +1052,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // route 5's kernels at 64 and 128, 10 as 8 with the computing warpgroups taking turns to issue
 // their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
 // prompts of 2048 tokens or more; route 10's kernels elsewhere); experimental, auto's kernels
-// (route 11's at 128 at any length) with: 12 the next block's Q prefetched into L2
-// (Args::prefetch_q), 13 L2 eviction priorities (Args::l2_hints), 14 the work in head-major
-// order (Args::head_major), 15 both.
+// (route 11's at 128 at any length) with only one of auto's two L2 measures: 12 the next
+// block's Q prefetched into L2 (Args::prefetch_q), 13 L2 eviction priorities (Args::l2_hints).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1099,12 +1098,12 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // computing warpgroups take turns to issue their MMAs (route 10, thirteenth round:
       // 1.010-1.016x route 8); since the fourteenth round with three K/V stages and the
       // exponentials ahead (route 11, Cfg128WSKVP3), which moved the threshold to 2048 tokens.
-      // Experimental routes 12-15: auto's kernels at padded head sizes 128 (route 11's) and 256
-      // (route 9's; at 64, auto's too) with Args::prefetch_q, l2_hints, head_major.
-      const bool experimental = route >= 12 && route <= 15;
-      a.prefetch_q = route == 12 ? 1 : 0;
-      a.l2_hints = route == 13 || route == 15 ? 1 : 0;
-      a.head_major = route == 14 || route == 15 ? 1 : 0;
+      // Auto's kernels prefetch the next block's Q into L2 and give their copies L2 priorities
+      // (Args::prefetch_q, l2_hints); the fixed routes do neither, and the experimental routes
+      // 12 and 13 (auto's kernels at 64 and 256, route 11's at 128) one each.
+      const bool experimental = route == 12 || route == 13;
+      a.prefetch_q = route == 0 || route == 12 ? 1 : 0;
+      a.l2_hints = route == 0 || route == 13 ? 1 : 0;
       if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || experimental)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);

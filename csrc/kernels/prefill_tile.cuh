@@ -137,18 +137,13 @@ struct Args {
   // turns issuing each step's MMAs (named barriers kTurnBarrier + warpgroup), so that one's
   // group runs whole on the tensor cores while the other is in its softmax.
   int32_t pingpong;
-  // Experimental (route 12, x_q_prefetch): the loader brings the next block's Q tile into L2 as
-  // a block starts (the kernels with one Q buffer and Q by TMA).
+  // Auto and route 12 (x_q_prefetch): the loader brings the next block's Q tile into L2 as a
+  // block starts (the kernels with one Q buffer and Q by TMA).
   int32_t prefetch_q;
-  // Experimental (routes 13 and 15): L2 eviction priorities, last for the K/V tiles that every
+  // Auto and route 13 (x_l2_hints): L2 eviction priorities, last for the K/V tiles that every
   // query block of a head reads again, first for the streams read or written once (Q, O, the
   // appended cache rows); 0: the normal priority for all of them.
   int32_t l2_hints;
-  // Experimental (routes 14 and 15): the work items walk every query block of one (row, kv
-  // head), heaviest first, before the next pair, instead of one query block of every pair at a
-  // time, so that the K/V of the pairs in flight stay in L2 (B = 1, L = 16384: 8 heads x 8 MB
-  // is more than the H200's L2).
-  int32_t head_major;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
   CUtensorMap v_map;
@@ -264,14 +259,7 @@ __device__ __forceinline__ void with_mask_and_cap(bool mask, bool cap, Body&& bo
 struct BlockCoords {
   int mblk, kvh, b;
 };
-// kHeadMajor: whether Args::head_major is honoured (the warp-specialised kernels only).
-template <bool kHeadMajor>
 __device__ __forceinline__ BlockCoords block_coords(const Args& a, int work) {
-  if (kHeadMajor && a.head_major) {
-    const int pair = work / a.num_mblocks;
-    const int rest = work - pair * a.num_mblocks;
-    return {a.num_mblocks - 1 - rest, pair % a.p.kv_heads, pair / a.p.kv_heads};
-  }
   const int per_block = a.p.kv_heads * a.p.batch;
   const int wave = work / per_block;
   const int rem = work - wave * per_block;

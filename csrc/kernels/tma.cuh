@@ -96,21 +96,21 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
 __device__ __forceinline__ uint64_t l2_evict_normal_policy() {
   uint64_t policy = 0;
 #if GQA_ASYNC_COPY_ENABLED
-  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
 #endif
   return policy;
 }
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {
   uint64_t policy = 0;
 #if GQA_ASYNC_COPY_ENABLED
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
 #endif
   return policy;
 }
 __device__ __forceinline__ uint64_t l2_evict_last_policy() {
   uint64_t policy = 0;
 #if GQA_ASYNC_COPY_ENABLED
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
 #endif
   return policy;
 }
