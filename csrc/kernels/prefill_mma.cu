@@ -1008,6 +1008,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
   const int64_t grid = mblocks * p.kv_heads * p.batch;
   if (grid <= 0 || grid > INT_MAX) return false;
   a.num_mblocks = static_cast<int32_t>(mblocks);
+  const int pairs = p.kv_heads * p.batch;
+  if (a.pairs_per_group <= 0 || a.pairs_per_group > pairs) a.pairs_per_group = pairs;
   a.num_work = static_cast<int32_t>(grid);
   int64_t ctas = grid;
   a.persistent = 0;
@@ -1053,7 +1055,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
 // prompts of 2048 tokens or more; route 10's kernels elsewhere); experimental, auto's kernels
 // (route 11's at 128 at any length) with only one of auto's two L2 measures: 12 the next
-// block's Q prefetched into L2 (Args::prefetch_q), 13 L2 eviction priorities (Args::l2_hints).
+// block's Q prefetched into L2 (Args::prefetch_q), 13 L2 eviction priorities (Args::l2_hints);
+// 14 as 13 with the pairs walked in groups whose K/V fit in L2 (Args::pairs_per_group).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1101,9 +1104,13 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // Auto's kernels prefetch the next block's Q into L2 and give their copies L2 priorities
       // (Args::prefetch_q, l2_hints); the fixed routes do neither, and the experimental routes
       // 12 and 13 (auto's kernels at 64 and 256, route 11's at 128) one each.
-      const bool experimental = route == 12 || route == 13;
+      const bool experimental = route >= 12 && route <= 14;
       a.prefetch_q = route == 0 || route == 12 ? 1 : 0;
-      a.l2_hints = route == 0 || route == 13 ? 1 : 0;
+      a.l2_hints = route == 0 || route == 13 || route == 14 ? 1 : 0;
+      if (route == 14) {  // groups of pairs whose K/V take at most 32 MB of the 50 MB L2
+        const int64_t pair_kv_bytes = int64_t{2} * a.p.query_len * dpad * sizeof(T);
+        a.pairs_per_group = static_cast<int32_t>(std::max<int64_t>(1, (int64_t{32} << 20) / pair_kv_bytes));
+      }
       if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || experimental)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);

@@ -144,6 +144,9 @@ struct Args {
   // query block of a head reads again, first for the streams read or written once (Q, O, the
   // appended cache rows); 0: the normal priority for all of them.
   int32_t l2_hints;
+  // (row, kv head) pairs whose query blocks are walked together (block_coords); all of them
+  // unless route 14 (x_head_groups) sets fewer, so that their K/V fit in L2.
+  int32_t pairs_per_group;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
   CUtensorMap v_map;
@@ -259,11 +262,16 @@ __device__ __forceinline__ void with_mask_and_cap(bool mask, bool cap, Body&& bo
 struct BlockCoords {
   int mblk, kvh, b;
 };
+// The (row, kv head) pairs go in groups of Args::pairs_per_group: every query block of a group
+// comes before the next group, and within a group one query block of each pair at a time.
 __device__ __forceinline__ BlockCoords block_coords(const Args& a, int work) {
-  const int per_block = a.p.kv_heads * a.p.batch;
-  const int wave = work / per_block;
-  const int rem = work - wave * per_block;
-  return {a.num_mblocks - 1 - wave, rem % a.p.kv_heads, rem / a.p.kv_heads};
+  const int pairs = a.p.kv_heads * a.p.batch;
+  const int group_first = work / (a.pairs_per_group * a.num_mblocks) * a.pairs_per_group;
+  const int in_group = min(a.pairs_per_group, pairs - group_first);
+  const int rest = work - group_first * a.num_mblocks;
+  const int wave = rest / in_group;
+  const int pair = group_first + rest - wave * in_group;
+  return {a.num_mblocks - 1 - wave, pair % a.p.kv_heads, pair / a.p.kv_heads};
 }
 
 // The warp-specialised CTA's mbarriers: K/V stages (full: landed; empty: every computing thread
