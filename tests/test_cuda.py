@@ -21,8 +21,8 @@ import torch
 import gqa_torch
 from gqa_torch import errors as gerr
 from conftest import (DTYPES, NORM_REL, FP32_MAX_REL, assert_output_close, bits, bits_equal, case_fingerprint,
-                      check_caches, hash_str, make_case, memoized, output_error, poison, record_error, requires_cuda,
-                      run_and_check)
+                      check_caches, hash_str, make_case, memoized, output_error, poison, poison_allocator, record_error,
+                      requires_cuda, run_and_check)
 from reference import to_bnsh
 from test_parity import GRID, RANDOM_CONFIGS, _case_id, build_case
 
@@ -199,7 +199,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
 
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
-                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_q_prefetch", "x_l2_hints", "x_head_groups"]
+                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
@@ -263,6 +263,42 @@ def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
                          capacity=None, first_prompt=True, prompt_lengths=[1500, 400, 1100], layout=1 - i % 2,
                          dtype=DTYPES[dtype], **feat)
         _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim,seq,kv_heads", [(128, 32768, 3), (256, 16384, 3), (64, 32768, 5)])
+def test_cuda_prefill_head_groups(dtype, head_dim, seq, kv_heads):
+    """Route x_head_groups walks the (row, kv head) pairs in groups whose K/V take at most 32 MB
+    (here 16 MB a pair: groups of 2, the last of 1; 8 MB at 64: groups of 4, then 1) through
+    route wgmma_ws_kv_pipe3's kernel at 128 and auto's at 64 and 256 (with L2 priorities, which
+    change no value): each query block is computed alike in any order, so the output and the
+    appended caches are the same bits as under those routes, which test_cuda_prefill_routes
+    holds to the reference. The caches start as NaN, and the output's block is freed full of
+    NaN (poison_allocator), so a block left unwritten shows."""
+    if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+        pytest.skip("route x_head_groups needs an sm90 GPU and a build for 9.0a")
+    torch.manual_seed(seq + head_dim)
+    dt = DTYPES[dtype]
+    q = torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt)
+    k = torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt)
+    v = torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt)
+    seqlens = torch.full((1,), seq - 1, dtype=torch.int32, device="cuda")
+    results = {}
+    for route in ("x_head_groups", "wgmma_ws_kv_pipe3" if head_dim == 128 else "auto"):
+        caches = [torch.full((1, kv_heads, seq + 64, head_dim), float("nan"), device="cuda", dtype=dt)
+                  for _ in range(2)]
+        poison_allocator([q.shape], dt, device="cuda")
+        gqa_torch._C._set_prefill_route(route)
+        try:
+            out = gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, num_heads=kv_heads,
+                                                   kv_num_heads=kv_heads)
+        finally:
+            gqa_torch._C._set_prefill_route("auto")
+        assert not out.isnan().any(), route
+        results[route] = (out, *caches)
+    grouped, plain = results.values()
+    for name, a, b in zip(("output", "key cache", "value cache"), grouped, plain):
+        assert bits_equal(a, b), f"{name}: x_head_groups differs from its kernel in the plain order"
 
 
 @pytest.fixture(params=["auto", "cp_async"])

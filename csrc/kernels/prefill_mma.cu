@@ -89,7 +89,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 
   constexpr bool computes = kRole != Role::kLoader;
   // L2 priorities of the warp-specialised kernels' TMA copies and O stores (Args::l2_hints),
-  // made where they are used (a policy held across the loop cost the loader registers).
+  // made at each use (createpolicy is one instruction; a policy held across the loop cost the
+  // 40-register loader 28-64 bytes of spill).
   auto l2_keep = [&] { return a.l2_hints ? detail::l2_evict_last_policy() : detail::l2_evict_normal_policy(); };
   auto l2_stream = [&] { return a.l2_hints ? detail::l2_evict_first_policy() : detail::l2_evict_normal_policy(); };
   // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
@@ -803,22 +804,6 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
   for (int r = 0; work < a.num_work; ++r) {
     const int next = block_of_round(r + 1);
     const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
-    if constexpr (kRole == Role::kLoader) {
-      // The next block's Q tile into L2 as this block starts streaming. Its TMA load is issued
-      // only once the computing warpgroups have done this block's last S (one Q buffer,
-      // kEarlyQRelease), about a tile before they need it; from HBM it arrived late (the Q
-      // wait held 0.85% of route 11's stall samples at B2 L4096, fifteenth round).
-      if (C::kEarlyQRelease && a.q_tma && a.prefetch_q && next < a.num_work &&
-          threadIdx.x == C::kConsumerThreads) {
-        const BlockCoords nb = block_coords(a, next);
-        const int G = a.p.group_size;
-#pragma unroll
-        for (int wgt = 0; wgt < C::BM / 64; ++wgt)
-#pragma unroll
-          for (int cb = 0; cb < C::D / 64; ++cb)
-            detail::tma_prefetch_l2_4d(&a.q_map, cb * 64, nb.kvh * G, (nb.mblk * C::BM + wgt * 64) / G, nb.b);
-      }
-    }
     prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, seqlen);
     work = next;
     seqlen = next_seqlen;
@@ -1054,9 +1039,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // route 5's kernels at 64 and 128, 10 as 8 with the computing warpgroups taking turns to issue
 // their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
 // prompts of 2048 tokens or more; route 10's kernels elsewhere); experimental, auto's kernels
-// (route 11's at 128 at any length) with only one of auto's two L2 measures: 12 the next
-// block's Q prefetched into L2 (Args::prefetch_q), 13 L2 eviction priorities (Args::l2_hints);
-// 14 as 13 with the pairs walked in groups whose K/V fit in L2 (Args::pairs_per_group).
+// (route 11's at 128 at any length) with L2 priorities and the (row, kv head) pairs walked in
+// groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1101,13 +1085,14 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // computing warpgroups take turns to issue their MMAs (route 10, thirteenth round:
       // 1.010-1.016x route 8); since the fourteenth round with three K/V stages and the
       // exponentials ahead (route 11, Cfg128WSKVP3), which moved the threshold to 2048 tokens.
-      // Auto's kernels prefetch the next block's Q into L2 and give their copies L2 priorities
-      // (Args::prefetch_q, l2_hints); the fixed routes do neither, and the experimental routes
-      // 12 and 13 (auto's kernels at 64 and 256, route 11's at 128) one each.
-      const bool experimental = route >= 12 && route <= 14;
-      a.prefetch_q = route == 0 || route == 12 ? 1 : 0;
-      a.l2_hints = route == 0 || route == 13 || route == 14 ? 1 : 0;
-      if (route == 14) {  // groups of pairs whose K/V take at most 32 MB of the 50 MB L2
+      // L2 priorities (Args::l2_hints) at padded head size 128, where auto's kernels keep the K/V
+      // that the query blocks of a head read again: H200, bf16, causal, 32/8 heads, interleaved
+      // A/B, 1.07x at B=8 L=1024 (DRAM reads 185 -> 147 MB), within 1% from 2048 tokens on (the
+      // K/V of every pair in flight stay in L2 or, at 16384 tokens, are 64 MB). At 64 and 256
+      // they measured 0.99-1.00x. The fixed routes keep the normal priority (A/B baselines).
+      const bool experimental = route == 12;
+      a.l2_hints = (route == 0 && dpad == 128) || experimental ? 1 : 0;
+      if (experimental) {  // groups of pairs whose K/V take at most 32 MB of the 50 MB L2
         const int64_t pair_kv_bytes = int64_t{2} * a.p.query_len * dpad * sizeof(T);
         a.pairs_per_group = static_cast<int32_t>(std::max<int64_t>(1, (int64_t{32} << 20) / pair_kv_bytes));
       }

@@ -137,15 +137,12 @@ struct Args {
   // turns issuing each step's MMAs (named barriers kTurnBarrier + warpgroup), so that one's
   // group runs whole on the tensor cores while the other is in its softmax.
   int32_t pingpong;
-  // Auto and route 12 (x_q_prefetch): the loader brings the next block's Q tile into L2 as a
-  // block starts (the kernels with one Q buffer and Q by TMA).
-  int32_t prefetch_q;
-  // Auto and route 13 (x_l2_hints): L2 eviction priorities, last for the K/V tiles that every
-  // query block of a head reads again, first for the streams read or written once (Q, O, the
-  // appended cache rows); 0: the normal priority for all of them.
+  // L2 eviction priorities of the warp-specialised kernels' copies (auto at padded head size
+  // 128, route 12): last for the K/V tiles that every query block of a head reads again, first
+  // for the streams read or written once (Q, O, the appended cache rows); 0: normal for all.
   int32_t l2_hints;
   // (row, kv head) pairs whose query blocks are walked together (block_coords); all of them
-  // unless route 14 (x_head_groups) sets fewer, so that their K/V fit in L2.
+  // unless route 12 (x_head_groups) sets fewer, so that their K/V fit in L2.
   int32_t pairs_per_group;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;

@@ -92,7 +92,9 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
 }
 
 // L2 eviction policies for the copies below that take one (createpolicy: the whole access at
-// that priority). evict_normal is what an access without a policy gets.
+// that priority). evict_normal is what an access without a policy gets. volatile, so that the
+// compiler makes the policy where it is used instead of hoisting it out of loops into a
+// register held throughout.
 __device__ __forceinline__ uint64_t l2_evict_normal_policy() {
   uint64_t policy = 0;
 #if GQA_ASYNC_COPY_ENABLED
@@ -133,17 +135,6 @@ __device__ __forceinline__ void st_global_b32_hint(void* ptr, uint32_t value, ui
   asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(ptr), "r"(value), "l"(policy) : "memory");
 #else
   *static_cast<uint32_t*>(ptr) = value;
-#endif
-}
-
-// TMA: one box of a 4-D tensor map brought into L2 only (a hint: nothing waits for it, and
-// boxes past the tensor's bounds are clipped).
-__device__ __forceinline__ void tma_prefetch_l2_4d(const void* tensor_map, int c0, int c1, int c2, int c3) {
-#if GQA_ASYNC_COPY_ENABLED
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(tensor_map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
 #endif
 }
 
