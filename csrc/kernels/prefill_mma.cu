@@ -88,11 +88,6 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const int wrow0 = m0 + warp * C::kWarpRows;
 
   constexpr bool computes = kRole != Role::kLoader;
-  // L2 priorities of the warp-specialised kernels' TMA copies and O stores (Args::l2_hints),
-  // made at each use (createpolicy is one instruction; a policy held across the loop cost the
-  // 40-register loader 28-64 bytes of spill).
-  auto l2_keep = [&] { return a.l2_hints ? detail::l2_evict_last_policy() : detail::l2_evict_normal_policy(); };
-  auto l2_stream = [&] { return a.l2_hints ? detail::l2_evict_first_policy() : detail::l2_evict_normal_policy(); };
   // The exits below are the same for every thread of the CTA (they depend on b and m0 only).
   const RowGeometry geo = row_geometry(p, seqlen);
   constexpr bool split_k = kSplit;  // then the merge writes every output row, these included
@@ -304,8 +299,12 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           for (int wgt = 0; wgt < C::BM / 64; ++wgt) {
 #pragma unroll
             for (int cb = 0; cb < D / 64; ++cb)
-              detail::tma_load_4d_hint(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G,
-                                       (m0 + wgt * 64) / G, b, q_full, l2_stream());
+              if (a.l2_hints)
+                detail::tma_load_4d_hint(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G,
+                                         (m0 + wgt * 64) / G, b, q_full, detail::l2_evict_first_policy());
+              else
+                wg::tma_load_4d(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G, (m0 + wgt * 64) / G,
+                                b, q_full);
           }
         } else {
           wg::mbarrier_arrive(q_full);
@@ -352,8 +351,11 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           const CUtensorMap* map = row_new ? (is_v ? &a.v_new_map : &a.k_new_map) : (is_v ? &a.v_map : &a.k_map);
 #pragma unroll
           for (int cb = 0; cb < D / 64; ++cb)  // 64-column blocks of the blocked tile
-            detail::tma_load_4d_hint(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar,
-                                     l2_keep());
+            if (a.l2_hints)
+              detail::tma_load_4d_hint(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar,
+                                       detail::l2_evict_last_policy());
+            else
+              wg::tma_load_4d(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar);
         };
         const uint32_t k_dst = k_base + stage * C::kTileBytes, v_dst = v_base + stage * C::kTileBytes;
         if constexpr (C::kSplitKV) {
@@ -489,8 +491,15 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 #pragma unroll
         for (int cb = 0; cb < D / 64; ++cb) {
           const uint32_t off = cb * C::kStageKeys * 128;
-          if (k) detail::tma_store_4d_hint(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b, l2_stream());
-          if (v) detail::tma_store_4d_hint(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b, l2_stream());
+          if (a.l2_hints) {
+            if (k) detail::tma_store_4d_hint(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b,
+                                             detail::l2_evict_first_policy());
+            if (v) detail::tma_store_4d_hint(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b,
+                                             detail::l2_evict_first_policy());
+          } else {
+            if (k) detail::tma_store_4d(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
+            if (v) detail::tma_store_4d(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
+          }
         }
         detail::bulk_commit();
       };
@@ -739,18 +748,23 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
                                     (lane & 3);  // row_out[d * 4]: columns d * 8 + (lane & 3) * 2, + 1
           const bool valid = r < valid_rows;  // first-prompt padding rows are exactly 0
           const float fi = f[mt * 2 + hh];
-          const uint64_t o_policy = l2_stream();
           uint32_t words[DT];
 #pragma unroll
           for (int d = 0; d < DT; ++d)
             words[d] = valid ? H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi) : 0u;
-          if (all_columns) {
+          if (all_columns) {  // with the L2 priority of Args::l2_hints (a column-checked row has none)
+            if (a.l2_hints) {
+              const uint64_t o_policy = detail::l2_evict_first_policy();
 #pragma unroll
-            for (int d = 0; d < DT; ++d) detail::st_global_b32_hint(row_out + d * 4, words[d], o_policy);
+              for (int d = 0; d < DT; ++d) detail::st_global_b32_hint(row_out + d * 4, words[d], o_policy);
+            } else {
+#pragma unroll
+              for (int d = 0; d < DT; ++d) row_out[d * 4] = words[d];
+            }
           } else {
 #pragma unroll
             for (int d = 0; d < DT; ++d)
-              if (d * 8 + (lane & 3) * 2 < p.head_dim) detail::st_global_b32_hint(row_out + d * 4, words[d], o_policy);
+              if (d * 8 + (lane & 3) * 2 < p.head_dim) row_out[d * 4] = words[d];
           }
         }
       return;
