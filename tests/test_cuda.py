@@ -266,39 +266,39 @@ def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim,seq,kv_heads", [(128, 32768, 3), (256, 16384, 3), (64, 32768, 5)])
-def test_cuda_prefill_head_groups(dtype, head_dim, seq, kv_heads):
-    """Route x_head_groups walks the (row, kv head) pairs in groups whose K/V take at most 32 MB
-    (here 16 MB a pair: groups of 2, the last of 1; 8 MB at 64: groups of 4, then 1) through
-    route wgmma_ws_kv_pipe3's kernel at 128 and auto's at 64 and 256 (with L2 priorities, which
-    change no value): each query block is computed alike in any order, so the output and the
-    appended caches are the same bits as under those routes, which test_cuda_prefill_routes
-    holds to the reference. The caches start as NaN, and the output's block is freed full of
-    NaN (poison_allocator), so a block left unwritten shows."""
+@pytest.mark.parametrize("route,head_dim,seq,kv_heads,plain_route", [
+    ("x_head_groups", 128, 32768, 3, "wgmma_ws_kv_pipe3"), ("x_head_groups", 256, 16384, 3, "auto"),
+    ("x_head_groups", 64, 32768, 5, "auto"), ("auto", 128, 32768, 7, "wgmma_ws_kv_pipe3")])
+def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_route):
+    """The (row, kv head) pairs walked in groups whose K/V take at most 32 MB: route
+    x_head_groups always, auto at head size 128 once all pairs' K/V pass 96 MB. Here a pair
+    holds 16 MB (groups of 2, the last of 1; of 2, 2, 2, 1 under auto) or, at 64, 8 MB (groups
+    of 4, then 1). Each query block is computed alike in any order and the L2 priorities change
+    no value, so the output and the appended caches must be the same bits as under
+    `plain_route`, the same kernel in the plain order, which test_cuda_prefill_routes holds to
+    the reference. The caches start as NaN, and the output's block is freed full of NaN
+    (poison_allocator), so a block left unwritten shows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
-        pytest.skip("route x_head_groups needs an sm90 GPU and a build for 9.0a")
-    torch.manual_seed(seq + head_dim)
+        pytest.skip("the grouped order runs in the wgmma kernels: it needs an sm90 GPU and a build for 9.0a")
+    torch.manual_seed(seq + head_dim + kv_heads)
     dt = DTYPES[dtype]
-    q = torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt)
-    k = torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt)
-    v = torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt)
+    q, k, v = (torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt) for _ in range(3))
     seqlens = torch.full((1,), seq - 1, dtype=torch.int32, device="cuda")
-    results = {}
-    for route in ("x_head_groups", "wgmma_ws_kv_pipe3" if head_dim == 128 else "auto"):
+    results = []
+    for pinned in (route, plain_route):
         caches = [torch.full((1, kv_heads, seq + 64, head_dim), float("nan"), device="cuda", dtype=dt)
                   for _ in range(2)]
         poison_allocator([q.shape], dt, device="cuda")
-        gqa_torch._C._set_prefill_route(route)
+        gqa_torch._C._set_prefill_route(pinned)
         try:
             out = gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, num_heads=kv_heads,
                                                    kv_num_heads=kv_heads)
         finally:
             gqa_torch._C._set_prefill_route("auto")
-        assert not out.isnan().any(), route
-        results[route] = (out, *caches)
-    grouped, plain = results.values()
-    for name, a, b in zip(("output", "key cache", "value cache"), grouped, plain):
-        assert bits_equal(a, b), f"{name}: x_head_groups differs from its kernel in the plain order"
+        assert not out.isnan().any(), f"{pinned}: NaN in the output"
+        results.append((out, *caches))
+    for name, grouped, plain in zip(("output", "key cache", "value cache"), *results):
+        assert bits_equal(grouped, plain), f"{name}: {route} differs from {plain_route}"
 
 
 @pytest.fixture(params=["auto", "cp_async"])

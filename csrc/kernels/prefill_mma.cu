@@ -1100,16 +1100,24 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // 1.010-1.016x route 8); since the fourteenth round with three K/V stages and the
       // exponentials ahead (route 11, Cfg128WSKVP3), which moved the threshold to 2048 tokens.
       // L2 priorities (Args::l2_hints) at padded head size 128, where auto's kernels keep the K/V
-      // that the query blocks of a head read again: H200, bf16, causal, 32/8 heads, interleaved
-      // A/B, 1.07x at B=8 L=1024 (DRAM reads 185 -> 147 MB), within 1% from 2048 tokens on (the
-      // K/V of every pair in flight stay in L2 or, at 16384 tokens, are 64 MB). At 64 and 256
-      // they measured 0.99-1.00x. The fixed routes keep the normal priority (A/B baselines).
+      // that the query blocks of a head read again. H200, bf16, causal, 32/8 heads, interleaved
+      // A/B against the same kernels without them (sixteenth round): 1.05-1.08x at B=8 L=1024
+      // (DRAM reads 185 -> 147 MB), 0.99-1.00x from 2048 tokens on, and at 64 and 256.
+      // The fixed routes keep the plain copies (the A/B baselines).
       const bool experimental = route == 12;
       a.l2_hints = (route == 0 && dpad == 128) || experimental ? 1 : 0;
-      if (experimental) {  // groups of pairs whose K/V take at most 32 MB of the 50 MB L2
-        const int64_t pair_kv_bytes = int64_t{2} * a.p.query_len * dpad * sizeof(T);
+      // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
+      // (Args::pairs_per_group): route 12, and auto at 128 once the K/V of all pairs pass 96 MB
+      // in pairs of 8 MB or more, where the plain order streams them from DRAM again for every
+      // round of query blocks. Route 12 against route 11 (sixteenth round): 1.053-1.060x at
+      // B=2 L=16384 (128 MB) and 1.019-1.067x at B=1 L=32768, but 0.985-0.987x at B=1 L=16384
+      // (64 MB), where DRAM reads fell from 1.08 to 0.33 GB and the cycles rose 3%.
+      const int64_t pair_kv_bytes = int64_t{2} * a.p.query_len * dpad * sizeof(T);
+      const int64_t all_kv_bytes = pair_kv_bytes * a.p.kv_heads * a.p.batch;
+      const bool group_pairs = experimental || (route == 0 && dpad == 128 && pair_kv_bytes >= (int64_t{8} << 20) &&
+                                                all_kv_bytes > (int64_t{96} << 20));
+      if (group_pairs)
         a.pairs_per_group = static_cast<int32_t>(std::max<int64_t>(1, (int64_t{32} << 20) / pair_kv_bytes));
-      }
       if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || experimental)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);
