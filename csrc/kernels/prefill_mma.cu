@@ -301,7 +301,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             for (int cb = 0; cb < D / 64; ++cb)
               if (a.l2_hints)
                 detail::tma_load_4d_hint(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G,
-                                         (m0 + wgt * 64) / G, b, q_full, detail::l2_evict_first_policy());
+                                         (m0 + wgt * 64) / G, b, q_full, detail::l2_policy<detail::L2Evict::kFirst>());
               else
                 wg::tma_load_4d(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G, (m0 + wgt * 64) / G,
                                 b, q_full);
@@ -353,7 +353,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           for (int cb = 0; cb < D / 64; ++cb)  // 64-column blocks of the blocked tile
             if (a.l2_hints)
               detail::tma_load_4d_hint(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar,
-                                       detail::l2_evict_last_policy());
+                                       detail::l2_policy<detail::L2Evict::kLast>());
             else
               wg::tma_load_4d(dst + cb * C::kStageKeys * 128, map, cb * 64, tile * C::kStageKeys, kvh, b, bar);
         };
@@ -493,9 +493,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           const uint32_t off = cb * C::kStageKeys * 128;
           if (a.l2_hints) {
             if (k) detail::tma_store_4d_hint(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b,
-                                             detail::l2_evict_first_policy());
+                                             detail::l2_policy<detail::L2Evict::kFirst>());
             if (v) detail::tma_store_4d_hint(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b,
-                                             detail::l2_evict_first_policy());
+                                             detail::l2_policy<detail::L2Evict::kFirst>());
           } else {
             if (k) detail::tma_store_4d(&a.k_map, k_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
             if (v) detail::tma_store_4d(&a.v_map, v_tile(it) + off, cb * 64, tile * C::kStageKeys, kvh, b);
@@ -754,7 +754,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             words[d] = valid ? H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi) : 0u;
           if (all_columns) {  // with the L2 priority of Args::l2_hints (a column-checked row has none)
             if (a.l2_hints) {
-              const uint64_t o_policy = detail::l2_evict_first_policy();
+              const uint64_t o_policy = detail::l2_policy<detail::L2Evict::kFirst>();
 #pragma unroll
               for (int d = 0; d < DT; ++d) detail::st_global_b32_hint(row_out + d * 4, words[d], o_policy);
             } else {
@@ -1138,7 +1138,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // cross-block carry of route 8's pipeline, wip/prefill-xblock, measured 0.93x route 8).
       if ((route == 9 || route == 0 || experimental) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
       if (dpad == 64)
-        return route == 0 || route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route) : launch_ws<T, Cfg64WS>(a, stream, route);
+        return route == 0 || route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route)
+                                                        : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }

@@ -142,7 +142,8 @@ struct Args {
   // for the streams read or written once (Q, O, the appended cache rows); 0: normal for all.
   int32_t l2_hints;
   // (row, kv head) pairs whose query blocks are walked together (block_coords); all of them
-  // unless route 12 (x_head_groups) sets fewer, so that their K/V fit in L2.
+  // unless auto (at padded head size 128, K/V past 96 MB) or route 12 set fewer, so that the
+  // K/V of a group fit in L2.
   int32_t pairs_per_group;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
