@@ -1102,7 +1102,7 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // L2 priorities (Args::l2_hints) at padded head size 128, where auto's kernels keep the K/V
       // that the query blocks of a head read again. H200, bf16, causal, 32/8 heads, interleaved
       // A/B against the same kernels without them (sixteenth round): 1.05-1.08x at B=8 L=1024
-      // (DRAM reads 185 -> 147 MB), 0.99-1.00x from 2048 tokens on, and at 64 and 256.
+      // (DRAM reads 185 -> 147 MB), 0.98-1.00x from 2048 tokens on, 0.99-1.00x at 64 and 256.
       // The fixed routes keep the plain copies (the A/B baselines).
       const bool experimental = route == 12;
       a.l2_hints = (route == 0 && dpad == 128) || experimental ? 1 : 0;
