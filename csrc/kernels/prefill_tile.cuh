@@ -342,36 +342,37 @@ struct WarpTile {
   template <bool kMask, bool kCap>
   __device__ __forceinline__ void shape_scores(float (&sc)[MT][NT][4], int n0) const {
     if constexpr (kCap) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            // log2(e) * tanh(y), y = score * |scale| / softcap (k2 is the softcap itself, so
-            // that softcap * log2(e) cannot overflow). For small |y|, 1 - 2/(e^2y + 1) cancels
-            // to nothing (a large softcap made every logit ~0), so there an odd Taylor
-            // polynomial is used (relative error < 1e-9 below 1/16).
-            const float u = sc[mt][n][e] * tanh_k;  // 2 y log2(e)
-            const float y = u * (0.5f / kLog2e);
-            const float y2 = y * y;
-            const float series = y * fmaf(y2, fmaf(y2, 2.f / 15.f, -1.f / 3.f), 1.f);
-            const float closed = 1.f - 2.f * fast_rcp(fast_exp2(u) + 1.f);
-            sc[mt][n][e] = kLog2e * (fabsf(y) < 0.0625f ? series : closed);
-          }
+      each_score(sc, [&](float& score, int, int, int) {
+        // log2(e) * tanh(y), y = score * |scale| / softcap (k2 is the softcap itself, so that
+        // softcap * log2(e) cannot overflow). For small |y|, 1 - 2/(e^2y + 1) cancels to
+        // nothing (a large softcap made every logit ~0), so there an odd Taylor polynomial is
+        // used (relative error < 1e-9 below 1/16).
+        const float u = score * tanh_k;  // 2 y log2(e)
+        const float y = u * (0.5f / kLog2e);
+        const float y2 = y * y;
+        const float series = y * fmaf(y2, fmaf(y2, 2.f / 15.f, -1.f / 3.f), 1.f);
+        const float closed = 1.f - 2.f * fast_rcp(fast_exp2(u) + 1.f);
+        score = kLog2e * (fabsf(y) < 0.0625f ? series : closed);
+      });
     }
     if constexpr (kMask) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = n0 + n * 8 + key_col + (e & 1);
-            const int i = mt * 2 + (e >> 1);
-            if (j < row_lo[i] || j >= row_hi[i]) sc[mt][n][e] = -INFINITY;
-          }
+      each_score(sc, [&](float& score, int mt, int n, int e) {
+        const int j = n0 + n * 8 + key_col + (e & 1);
+        const int i = mt * 2 + (e >> 1);
+        if (j < row_lo[i] || j >= row_hi[i]) score = -INFINITY;
+      });
     }
+  }
+
+  // body(score, mt, n, e) for each score this thread holds, unrolled.
+  template <class Body>
+  static __device__ __forceinline__ void each_score(float (&sc)[MT][NT][4], Body&& body) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) body(sc[mt][n][e], mt, n, e);
   }
 
   // Online softmax of one tile of scores (softcap and mask first): P (packed halves) out, and
@@ -388,16 +389,11 @@ struct WarpTile {
     // softmax_ahead(); here that cost the mma.sync kernels 4-8 more bytes of spill).
 #pragma unroll
     for (int i = 0; i < NR; ++i) rs[i] = 0.f;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = mt * 2 + (e >> 1);
-          sc[mt][n][e] = fast_exp2(fmaf(sc[mt][n][e], k2, nb[i]));
-          rs[i] += sc[mt][n][e];
-        }
+    each_score(sc, [&](float& score, int mt, int, int e) {
+      const int i = mt * 2 + (e >> 1);
+      score = fast_exp2(fmaf(score, k2, nb[i]));
+      rs[i] += score;
+    });
 #pragma unroll
     for (int i = 0; i < NR; ++i) l_sum[i] = fmaf(l_sum[i], alpha[i], rs[i]);
 #pragma unroll
