@@ -813,11 +813,30 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     if (!a.persistent) return r == 0 ? c : INT_MAX;
     return r * g + (r & 1 ? g - 1 - c : c);
   };
-  int work = block_of_round(0);
-  int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords(a, work).b] : 0;
-  for (int r = 0; work < a.num_work; ++r) {
-    const int next = block_of_round(r + 1);
-    const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
+  // The work item of round r's slot: INT_MAX past the last slot, -1 for an empty slot of a
+  // group's last round (Args::group_slots).
+  auto work_of_round = [&](int r) {
+    const int slot = block_of_round(r);
+    if (a.group_slots == 0) return slot < a.num_work ? slot : INT_MAX;
+    if (slot >= a.num_slots) return INT_MAX;
+    const int group = slot / a.group_slots;
+    const int local = slot - group * a.group_slots;
+    const int group_work = a.pairs_per_group * a.num_mblocks;
+    const int first = group * group_work;
+    return local < min(group_work, a.num_work - first) ? first + local : -1;
+  };
+  auto next_work = [&](int& r) {
+    int work = work_of_round(r);
+    while (work < 0) work = work_of_round(++r);
+    return work;
+  };
+  int r = 0;
+  int work = next_work(r);
+  int seqlen = work != INT_MAX ? a.p.seqlens_k[block_coords(a, work).b] : 0;
+  while (work != INT_MAX) {
+    ++r;
+    const int next = next_work(r);
+    const int next_seqlen = next != INT_MAX ? a.p.seqlens_k[block_coords(a, next).b] : 0;
     prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, seqlen);
     work = next;
     seqlen = next_seqlen;
@@ -1017,6 +1036,17 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
     if (sms > 0 && ctas > sms) ctas = sms;
     a.persistent = 1;
   }
+  a.group_slots = 0;
+  a.num_slots = a.num_work;
+  if (a.persistent && a.align_groups && a.pairs_per_group < pairs) {
+    const int64_t group_work = int64_t{a.pairs_per_group} * mblocks;
+    const int64_t slots = (group_work + ctas - 1) / ctas * ctas;
+    const int64_t groups = (pairs + a.pairs_per_group - 1) / a.pairs_per_group;
+    if (slots * groups <= INT_MAX) {
+      a.group_slots = static_cast<int32_t>(slots);
+      a.num_slots = static_cast<int32_t>(slots * groups);
+    }
+  }
 
   auto kernel = prefill_mma_kernel<T, C, kSplit>;
   // The dynamic shared-memory opt-in is per function and device: do it once per device.
@@ -1054,7 +1084,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
 // prompts of 2048 tokens or more; route 10's kernels elsewhere); experimental, auto's kernels
 // (route 11's at 128 at any length) with L2 priorities and the (row, kv head) pairs walked in
-// groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group).
+// groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group); 13 as 12 with
+// each group in whole rounds of the grid (Args::align_groups).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1104,7 +1135,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // A/B against the same kernels without them (sixteenth round): 1.05-1.08x at B=8 L=1024
       // (DRAM reads 185 -> 147 MB), 0.98-1.00x from 2048 tokens on, 0.99-1.00x at 64 and 256.
       // The fixed routes keep the plain copies (the A/B baselines).
-      const bool experimental = route == 12;
+      const bool experimental = route == 12 || route == 13;
+      a.align_groups = route == 13 ? 1 : 0;
       a.l2_hints = (route == 0 && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
       // (Args::pairs_per_group): route 12, and auto at 128 once the K/V of all pairs pass 96 MB
