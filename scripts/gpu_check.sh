@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|e2e|soak|sweep|probe|ab|order|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|order|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests); GQA_TEST_K a
@@ -74,6 +74,14 @@ for step in $steps; do
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       for sub in $subs; do echo "== $sub"; cat "$OUT/$sub/summary.txt"; done ;;
+    sass)
+      # Issue 6's SASS check: the wgmma, TMA and setmaxnreg instructions in the built prefill object.
+      obj=$(find build -name prefill_mma.o | head -1)
+      if [ -z "$obj" ]; then echo "sass: no prefill_mma.o under build/"; status=1; else
+        cuobjdump --dump-sass "$obj" > "$OUT/prefill_mma.sass" 2>&1 || status=1
+        for op in HGMMA UTMALDG UTMASTG USETMAXREG; do echo "sass: $op $(grep -c "$op" "$OUT/prefill_mma.sass")"; done
+        gzip -f "$OUT/prefill_mma.sass"
+      fi ;;
     probe)
       # Issue 6: the wgmma conventions on their own, then the wgmma prefill against mma.sync.
       nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o "$OUT/wgmma_probe" scripts/wgmma_probe.cu > "$OUT/probe.log" 2>&1 \

@@ -199,7 +199,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
 
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
-                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups"]
+                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups", "x_group_rounds"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
@@ -268,12 +268,15 @@ def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("route,head_dim,seq,kv_heads,plain_route", [
     ("x_head_groups", 128, 32768, 3, "wgmma_ws_kv_pipe3"), ("x_head_groups", 256, 16384, 3, "auto"),
-    ("x_head_groups", 64, 32768, 5, "auto"), ("auto", 128, 32768, 7, "wgmma_ws_kv_pipe3")])
+    ("x_head_groups", 64, 32768, 5, "auto"), ("auto", 128, 32768, 7, "wgmma_ws_kv_pipe3"),
+    ("x_group_rounds", 128, 32768, 3, "wgmma_ws_kv_pipe3"), ("x_group_rounds", 64, 32768, 5, "auto"),
+    ("auto", 128, 8192, 16, "wgmma_ws_kv_pipe3")])
 def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_route):
     """The (row, kv head) pairs walked in groups whose K/V take at most 32 MB: route
-    x_head_groups always, auto at head size 128 once all pairs' K/V pass 96 MB. Here a pair
-    holds 16 MB (groups of 2, the last of 1; of 2, 2, 2, 1 under auto) or, at 64, 8 MB (groups
-    of 4, then 1). Each query block is computed alike in any order and the L2 priorities change
+    x_head_groups always (x_group_rounds with each group in whole rounds of the grid, the last
+    part empty, as auto does), auto at head size 128 once all pairs' K/V reach 64 MB in pairs of
+    4 MB or more. Here a pair holds 16 MB (groups of 2, the last of 1; of 2, 2, 2, 1 under
+    auto), at 64 8 MB (groups of 4, then 1), or 4 MB at 8192 tokens (auto: two groups of 8). Each query block is computed alike in any order and the L2 priorities change
     no value, so the output and the appended caches must be the same bits as under
     `plain_route`, the same kernel in the plain order, which test_cuda_prefill_routes holds to
     the reference. The caches start as NaN, and the output's block is freed full of NaN

@@ -813,11 +813,30 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     if (!a.persistent) return r == 0 ? c : INT_MAX;
     return r * g + (r & 1 ? g - 1 - c : c);
   };
-  int work = block_of_round(0);
-  int seqlen = work < a.num_work ? a.p.seqlens_k[block_coords(a, work).b] : 0;
-  for (int r = 0; work < a.num_work; ++r) {
-    const int next = block_of_round(r + 1);
-    const int next_seqlen = next < a.num_work ? a.p.seqlens_k[block_coords(a, next).b] : 0;
+  // The work item of round r's slot: INT_MAX past the last slot, -1 for an empty slot of a
+  // group's last round (Args::group_slots).
+  auto work_of_round = [&](int r) {
+    const int slot = block_of_round(r);
+    if (a.group_slots == 0) return slot < a.num_work ? slot : INT_MAX;
+    if (slot >= a.num_slots) return INT_MAX;
+    const int group = slot / a.group_slots;
+    const int local = slot - group * a.group_slots;
+    const int group_work = a.pairs_per_group * a.num_mblocks;
+    const int first = group * group_work;
+    return local < min(group_work, a.num_work - first) ? first + local : -1;
+  };
+  auto next_work = [&](int& r) {
+    int work = work_of_round(r);
+    while (work < 0) work = work_of_round(++r);
+    return work;
+  };
+  int r = 0;
+  int work = next_work(r);
+  int seqlen = work != INT_MAX ? a.p.seqlens_k[block_coords(a, work).b] : 0;
+  while (work != INT_MAX) {
+    ++r;
+    const int next = next_work(r);
+    const int next_seqlen = next != INT_MAX ? a.p.seqlens_k[block_coords(a, next).b] : 0;
     prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, seqlen);
     work = next;
     seqlen = next_seqlen;
@@ -1017,6 +1036,17 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
     if (sms > 0 && ctas > sms) ctas = sms;
     a.persistent = 1;
   }
+  a.group_slots = 0;
+  a.num_slots = a.num_work;
+  if (a.persistent && a.align_groups && a.pairs_per_group < pairs) {
+    const int64_t group_work = int64_t{a.pairs_per_group} * mblocks;
+    const int64_t slots = (group_work + ctas - 1) / ctas * ctas;
+    const int64_t groups = (pairs + a.pairs_per_group - 1) / a.pairs_per_group;
+    if (slots * groups <= INT_MAX) {
+      a.group_slots = static_cast<int32_t>(slots);
+      a.num_slots = static_cast<int32_t>(slots * groups);
+    }
+  }
 
   auto kernel = prefill_mma_kernel<T, C, kSplit>;
   // The dynamic shared-memory opt-in is per function and device: do it once per device.
@@ -1054,7 +1084,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // their MMAs, 11 as 10 with three K/V stages at padded head size 128 (auto's kernel there for
 // prompts of 2048 tokens or more; route 10's kernels elsewhere); experimental, auto's kernels
 // (route 11's at 128 at any length) with L2 priorities and the (row, kv head) pairs walked in
-// groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group).
+// groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group); 13 as 12 with
+// each group in whole rounds of the grid (Args::align_groups).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1104,18 +1135,23 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // A/B against the same kernels without them (sixteenth round): 1.05-1.08x at B=8 L=1024
       // (DRAM reads 185 -> 147 MB), 0.98-1.00x from 2048 tokens on, 0.99-1.00x at 64 and 256.
       // The fixed routes keep the plain copies (the A/B baselines).
-      const bool experimental = route == 12;
+      const bool experimental = route == 12 || route == 13;
       a.l2_hints = (route == 0 && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
-      // (Args::pairs_per_group): route 12, and auto at 128 once the K/V of all pairs pass 96 MB
-      // in pairs of 8 MB or more, where the plain order streams them from DRAM again for every
-      // round of query blocks. Route 12 against route 11 (sixteenth round): 1.053-1.060x at
-      // B=2 L=16384 (128 MB) and 1.019-1.067x at B=1 L=32768, but 0.985-0.987x at B=1 L=16384
-      // (64 MB), where DRAM reads fell from 1.08 to 0.33 GB and the cycles rose 3%.
+      // (Args::pairs_per_group): routes 12 and 13, and auto at 128 once the K/V of all pairs
+      // reach 64 MB in pairs of 4 MB or more, where the plain order streams them from DRAM again
+      // for every round of query blocks. Each group in whole rounds of the grid
+      // (Args::align_groups; route 13 and auto): a round that straddled two groups dealt one
+      // group's lightest blocks next to the other's heaviest (3.5% load imbalance at B=1
+      // L=16384 in a simulation of the schedule). H200, bf16, causal, 32/8 heads, interleaved
+      // A/B against route 11 (seventeenth round): route 13 1.016x at B=1 L=16384 (route 12
+      // 0.979x), 1.050x at B=2 L=8192 (0.983x), 1.068x at B=2 L=16384, 1.070x at B=1 L=32768.
       const int64_t pair_kv_bytes = int64_t{2} * a.p.query_len * dpad * sizeof(T);
       const int64_t all_kv_bytes = pair_kv_bytes * a.p.kv_heads * a.p.batch;
-      const bool group_pairs = experimental || (route == 0 && dpad == 128 && pair_kv_bytes >= (int64_t{8} << 20) &&
-                                                all_kv_bytes > (int64_t{96} << 20));
+      const bool auto_groups = route == 0 && dpad == 128 && pair_kv_bytes >= (int64_t{4} << 20) &&
+                               all_kv_bytes >= (int64_t{64} << 20);
+      const bool group_pairs = experimental || auto_groups;
+      a.align_groups = route == 13 || auto_groups ? 1 : 0;
       if (group_pairs)
         a.pairs_per_group = static_cast<int32_t>(std::max<int64_t>(1, (int64_t{32} << 20) / pair_kv_bytes));
       if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || experimental)) {

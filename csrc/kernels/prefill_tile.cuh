@@ -142,9 +142,16 @@ struct Args {
   // for the streams read or written once (Q, O, the appended cache rows); 0: normal for all.
   int32_t l2_hints;
   // (row, kv head) pairs whose query blocks are walked together (block_coords); all of them
-  // unless auto (at padded head size 128, K/V past 96 MB) or route 12 set fewer, so that the
-  // K/V of a group fit in L2.
+  // unless auto (at padded head size 128, all K/V from 64 MB in pairs of 4 MB or more) or
+  // routes 12 and 13 set fewer, so that the K/V of a group fit in L2.
   int32_t pairs_per_group;
+  // Auto where it groups, and route 13 (x_group_rounds): each group of pairs takes whole rounds
+  // of the persistent grid (group_slots work slots, a multiple of gridDim.x, the last round part empty)
+  // so that no round deals one group's lightest blocks next to the next group's heaviest;
+  // num_slots = group_slots * groups. 0: no padding (the slots are the work items).
+  int32_t align_groups;
+  int32_t group_slots;
+  int32_t num_slots;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
   CUtensorMap v_map;
