@@ -590,12 +590,21 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           release_v(it);
         }
       } else {
+        // Args::pingpong (experimental route 13): the turns of the pipelined order, taken for S
+        // and for P V of each tile.
+        const bool pingpong = C::kConsumerThreads == 256 && a.pingpong != 0;
         for (int it = 0; it < n_tiles; ++it) {
           wait_full(it);
           const int n0 = tile_n0(it);
           with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
             w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(
-                q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {});
+                q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {},
+                [&] {
+                  if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
+                },
+                [&] {
+                  if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
+                });
           });
           release(it);
         }
@@ -870,7 +879,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       return;
     }
     wg::claim_registers<C::kConsumerRegs>();
-    if constexpr (C::kSplitKV && C::kPipe && C::kConsumerThreads == 256) {
+    if constexpr (C::kConsumerThreads == 256) {
       if (a.pingpong && threadIdx.x >= 128) wg::named_barrier_arrive(kTurnBarrier, 256);  // warpgroup 0 goes first
     }
     walk_blocks<T, C, kSplit, Role::kCompute>(a, smem, pipe, error);
@@ -1105,6 +1114,13 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // (DRAM reads 185 -> 147 MB), 0.99-1.00x from 2048 tokens on, and at 64 and 256.
       // The fixed routes keep the plain copies (the A/B baselines).
       const bool experimental = route == 12;
+      // Experimental route 13: the plain-order kernels of routes 9 (256) and 5 (64, 128) with
+      // the computing warpgroups taking turns to issue S and P V (Args::pingpong).
+      if (route == 13) {
+        a.pingpong = 1;
+        if (dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
+        return dpad == 64 ? launch_ws<T, Cfg64WS>(a, stream, route) : launch_ws<T, Cfg128WS>(a, stream, route);
+      }
       a.l2_hints = (route == 0 && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
       // (Args::pairs_per_group): route 12, and auto at 128 once the K/V of all pairs pass 96 MB
