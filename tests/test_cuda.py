@@ -199,7 +199,8 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
 
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
-                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups", "x_group_rounds"]
+                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups", "x_group_rounds",
+                  "x_plain_pp"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)

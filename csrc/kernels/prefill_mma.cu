@@ -590,12 +590,21 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           release_v(it);
         }
       } else {
+        // Args::pingpong (auto at padded head size 256, route 14): the turns of the pipelined
+        // order, taken for S and for P V of each tile.
+        const bool pingpong = C::kConsumerThreads == 256 && a.pingpong != 0;
         for (int it = 0; it < n_tiles; ++it) {
           wait_full(it);
           const int n0 = tile_n0(it);
           with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
             w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(
-                q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {});
+                q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {},
+                [&] {
+                  if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
+                },
+                [&] {
+                  if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
+                });
           });
           release(it);
         }
@@ -889,7 +898,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       return;
     }
     wg::claim_registers<C::kConsumerRegs>();
-    if constexpr (C::kSplitKV && C::kPipe && C::kConsumerThreads == 256) {
+    if constexpr (C::kConsumerThreads == 256) {
       if (a.pingpong && threadIdx.x >= 128) wg::named_barrier_arrive(kTurnBarrier, 256);  // warpgroup 0 goes first
     }
     walk_blocks<T, C, kSplit, Role::kCompute>(a, smem, pipe, error);
@@ -1085,7 +1094,9 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // prompts of 2048 tokens or more; route 10's kernels elsewhere); experimental, auto's kernels
 // (route 11's at 128 at any length) with L2 priorities and the (row, kv head) pairs walked in
 // groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group); 13 as 12 with
-// each group in whole rounds of the grid (Args::align_groups).
+// each group in whole rounds of the grid (Args::align_groups, as auto groups); 14 the
+// plain-order kernels of routes 5 and 9 with the computing warpgroups taking turns
+// (Args::pingpong, as auto at 256).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1121,6 +1132,14 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
         if (dpad == 64) return launch_ws<T, Cfg64WS3KV>(a, stream, route);
         if (dpad == 128) return launch_ws<T, Cfg128WSKV>(a, stream, route);
         if (dpad == 256) return launch_ws<T, Cfg256WSKV>(a, stream, route);
+      }
+      // Experimental route 14 (x_plain_pp): the plain-order kernels of routes 5 (64, 128) and 9
+      // (256) with the computing warpgroups taking turns to issue S and P V (Args::pingpong),
+      // which auto does at 256 (below).
+      if (route == 14) {
+        a.pingpong = 1;
+        if (dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
+        return dpad == 64 ? launch_ws<T, Cfg64WS>(a, stream, route) : launch_ws<T, Cfg128WS>(a, stream, route);
       }
       // Auto at padded head size 128 takes the pipelined order for long prompts: long query
       // blocks, where its overlap of softmax and P V pays, and not for short ones, where the
@@ -1172,7 +1191,13 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // below); auto takes them there. H200, bf16, causal, 32/8 heads, interleaved A/B against
       // route 5: 523 against 498 TFLOP/s at B=2 L=4096, 592 against 558 at B=1 L=8192 (a
       // cross-block carry of route 8's pipeline, wip/prefill-xblock, measured 0.93x route 8).
-      if ((route == 9 || route == 0 || experimental) && dpad == 256) return launch_ws<T, Cfg256WS80>(a, stream, route);
+      // Auto's two computing warpgroups take turns to issue S and P V there, so that each one's
+      // softmax runs under the other's MMAs (route 14 against route 9, seventeenth round:
+      // 1.010x at B=2 L=4096, 1.017x at B=1 L=8192).
+      if ((route == 9 || route == 0 || experimental) && dpad == 256) {
+        a.pingpong = route == 9 ? 0 : 1;
+        return launch_ws<T, Cfg256WS80>(a, stream, route);
+      }
       if (dpad == 64)
         return route == 0 || route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route)
                                                         : launch_ws<T, Cfg64WS>(a, stream, route);

@@ -133,9 +133,10 @@ struct Args {
   // block holding the tile's first token), from the stage it loaded; prep skips those rows.
   int32_t append_new;
   int32_t new_tma;      // append_new: the new rows' tiles by TMA through k_new_map / v_new_map
-  // The pipelined kernel with two computing warpgroups only (routes 10, 11): the warpgroups take
-  // turns issuing each step's MMAs (named barriers kTurnBarrier + warpgroup), so that one's
-  // group runs whole on the tensor cores while the other is in its softmax.
+  // Kernels with two computing warpgroups only (the pipelined order: routes 10, 11 and auto at
+  // 128 on long prompts; the plain order: auto at 256, route 14): the warpgroups take turns
+  // issuing each step's MMAs (named barriers kTurnBarrier + warpgroup), so that one's group
+  // runs whole on the tensor cores while the other is in its softmax.
   int32_t pingpong;
   // L2 eviction priorities of the warp-specialised kernels' copies (auto at padded head size
   // 128, route 12): last for the K/V tiles that every query block of a head reads again, first
@@ -547,16 +548,21 @@ struct WarpTile {
   // ---- the wgmma engine (C::kWgmma): this warp's warpgroup computes its 64 rows at once;
   // q_tile / k_tile / v_tile are shared-window addresses of blocked tiles (wgmma.cuh).
   __device__ __forceinline__ void compute_s_wg(float (&sc)[MT][NT][4], uint32_t q_tile, uint32_t k_tile) const {
-    static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
     float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    issue_s_wg(sc, q_tile, k_tile);
+    wg::wait_all();
+  }
+  // Issues and commits S = Q K^T into a zeroed sc (no wait).
+  __device__ __forceinline__ void issue_s_wg(float (&sc)[MT][NT][4], uint32_t q_tile, uint32_t k_tile) const {
+    static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
+    float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
     wg::fence_operands();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       wg::ss_m64<T, BN>(acc, wg::k_major(q_tile, 64, ks), wg::k_major(k_tile, C::kStageKeys, ks), ks > 0);
     wg::commit();
-    wg::wait_all();
   }
 
   // Issues O += P V (no fence, commit or wait). D = 256 runs as two n128 halves: columns 128h..
@@ -587,17 +593,38 @@ struct WarpTile {
   template <bool kMask, bool kCap, class AfterS, class BeforePV>
   __device__ __forceinline__ void tile_wg(uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int n0,
                                           AfterS&& after_s, BeforePV&& before_pv) {
+    tile_wg<kMask, kCap>(q_tile, k_tile, v_tile, n0, after_s, before_pv, [] {}, [] {});
+  }
+  // The same with turn() and pass() bracketing the issue of S and of P V (Args::pingpong in the
+  // plain order): the two computing warpgroups issue S, S, P V, P V, ..., so that each one's
+  // softmax runs while the other's MMAs hold the tensor cores.
+  template <bool kMask, bool kCap, class AfterS, class BeforePV, class Turn, class Pass>
+  __device__ __forceinline__ void tile_wg(uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int n0,
+                                          AfterS&& after_s, BeforePV&& before_pv, Turn&& turn, Pass&& pass) {
     float sc[MT][NT][4];
     uint32_t pa[MT][BN / 16][4];
     float alpha[NR];
-    compute_s_wg(sc, q_tile, k_tile);
+    {
+      float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+      turn();
+      issue_s_wg(sc, q_tile, k_tile);
+      pass();
+      wg::wait_all();
+    }
     after_s();
     bool rescale_o;
     if constexpr (C::kExpAhead && !kMask) rescale_o = softmax_ahead<kMask, kCap>(sc, pa, n0, alpha);
     else rescale_o = softmax<kMask, kCap>(sc, pa, n0, alpha);
     if (rescale_o) rescale(alpha);
     before_pv();
-    pv_wg(pa, v_tile);
+    turn();
+    wg::fence_operands();
+    issue_pv_wg(pa, v_tile);
+    wg::commit();
+    pass();
+    wg::wait_all();
   }
 
   // The pipelined wgmma order (C::kPipe with split K/V stages): S of the next tile and P V of
