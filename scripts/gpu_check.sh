@@ -5,11 +5,12 @@
 # Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|order|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
-# GQA_CHECKS picks a subset of them; GQA_TESTS the test paths (default: tests); GQA_TEST_K a
-# pytest -k expression; GQA_TEST_ARGS more pytest arguments (split on spaces); GQA_BENCH_ARGS and
-# GQA_PREFILL_ARGS the arguments of bench_decode.py and bench_prefill.py; GQA_AB_ARGS those of
-# ab_prefill_routes.py (the "ab" step: an interleaved A/B of prefill routes), GQA_ORDER_SHAPES
-# the shapes of interleave_order.py (the "order" step).
+# GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of each test process;
+# GQA_TESTS the test paths (default: tests); GQA_TEST_K a pytest -k expression; GQA_TEST_ARGS
+# more pytest arguments (split on spaces); GQA_BENCH_ARGS and GQA_PREFILL_ARGS the arguments of
+# bench_decode.py and bench_prefill.py; GQA_AB_ARGS those of ab_prefill_routes.py (the "ab"
+# step: an interleaved A/B of prefill routes), GQA_ORDER_SHAPES the shapes of
+# interleave_order.py (the "order" step). scripts/gpu_pair.sh runs a round on two GPUs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL_OUT=${OUT:-$PWD/gpu_out}
@@ -38,7 +39,7 @@ for step in $steps; do
       if [ -n "${GQA_TESTS:-}" ]; then shards=("$GQA_TESTS"); else shards=("tests/test_cuda.py" "tests --ignore=tests/test_cuda.py"); fi
       pids=(); i=0
       for shard in "${shards[@]}"; do
-        OMP_NUM_THREADS=$(( $(nproc) / ${#shards[@]} )) timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
+        OMP_NUM_THREADS=${GQA_OMP_THREADS:-$(( $(nproc) / ${#shards[@]} ))} timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
           -p no:cacheprovider -o faulthandler_timeout=120 --durations=10 ${GQA_TEST_K:+-k "$GQA_TEST_K"} ${GQA_TEST_ARGS:-} \
           > "$OUT/tests$i.log" 2>&1 &
         pids+=($!); i=$((i + 1))
@@ -48,7 +49,7 @@ for step in $steps; do
     sanitize)
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
       for tool in ${GQA_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
-        timeout ${GQA_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
+        OMP_NUM_THREADS=${GQA_OMP_THREADS:-$(nproc)} timeout ${GQA_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
           -k "${GQA_SANITIZE_K:-(parity_grid and (decode or prefill)) or test_cuda_decode}" -p no:cacheprovider > "$OUT/$tool.log" 2>&1 || status=1
         echo "$tool: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/$tool.log" | tail -1) $(grep -E "passed|failed" "$OUT/$tool.log" | tail -1)"
       done ;;
@@ -66,6 +67,9 @@ for step in $steps; do
     checks)
       pids=()
       subs=${GQA_CHECKS:-test soak memcheck racecheck initcheck synccheck}
+      # The CPU threads shared out: every process at nproc threads (float64 references) made the
+      # tests crawl (seventeenth round: 100 tests in 360 s instead of 750 in 316).
+      n_subs=$(echo $subs | wc -w); export GQA_OMP_THREADS=${GQA_OMP_THREADS:-$(( $(nproc) / n_subs > 0 ? $(nproc) / n_subs : 1 ))}
       for sub in $subs; do
         case $sub in test|soak) args=$sub; tools= ;; *) args=sanitize; tools=$sub ;; esac
         mkdir -p "$OUT/$sub"
