@@ -147,9 +147,9 @@ struct Args {
   // routes 12 and 13 set fewer, so that the K/V of a group fit in L2.
   int32_t pairs_per_group;
   // Auto where it groups, and route 13 (x_group_rounds): each group of pairs takes whole rounds
-  // of the persistent grid (group_slots work slots, a multiple of gridDim.x, the last round part empty)
-  // so that no round deals one group's lightest blocks next to the next group's heaviest;
-  // num_slots = group_slots * groups. 0: no padding (the slots are the work items).
+  // of the persistent grid (group_slots work slots, a multiple of gridDim.x, the last round
+  // part empty), so that no round deals one group's lightest blocks next to the next group's
+  // heaviest; num_slots = group_slots * groups. 0: no padding (the slots are the work items).
   int32_t align_groups;
   int32_t group_slots;
   int32_t num_slots;
