@@ -199,8 +199,8 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
 
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
-                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups", "x_group_rounds",
-                  "x_plain_pp"]
+                  "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3",
+                  "x_head_groups", "x_group_rounds", "x_plain_pp"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
@@ -277,7 +277,8 @@ def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_r
     x_head_groups always (x_group_rounds with each group in whole rounds of the grid, the last
     part empty, as auto does), auto at head size 128 once all pairs' K/V reach 64 MB in pairs of
     4 MB or more. Here a pair holds 16 MB (groups of 2, the last of 1; of 2, 2, 2, 1 under
-    auto), at 64 8 MB (groups of 4, then 1), or 4 MB at 8192 tokens (auto: two groups of 8). Each query block is computed alike in any order and the L2 priorities change
+    auto), at 64 8 MB (groups of 4, then 1), or 4 MB at 8192 tokens (auto: two groups of 8).
+    Each query block is computed alike in any order and the L2 priorities change
     no value, so the output and the appended caches must be the same bits as under
     `plain_route`, the same kernel in the plain order, which test_cuda_prefill_routes holds to
     the reference. The caches start as NaN, and the output's block is freed full of NaN
