@@ -139,8 +139,9 @@ struct Args {
   // runs whole on the tensor cores while the other is in its softmax.
   int32_t pingpong;
   // L2 eviction priorities of the warp-specialised kernels' copies (auto at padded head size
-  // 128, routes 12 and 13): last for the K/V tiles that every query block of a head reads again, first
-  // for the streams read or written once (Q, O, the appended cache rows); 0: normal for all.
+  // 128, routes 12 and 13): last for the K/V tiles that every query block of a head reads
+  // again, first for the streams read or written once (Q, O, the appended cache rows); 0:
+  // normal for all.
   int32_t l2_hints;
   // (row, kv head) pairs whose query blocks are walked together (block_coords); all of them
   // unless auto (at padded head size 128, all K/V from 64 MB in pairs of 4 MB or more) or
