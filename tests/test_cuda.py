@@ -12,6 +12,7 @@ in the caches must be byte-identical.
 from __future__ import annotations
 
 import copy
+import math
 import random
 import re
 
@@ -304,6 +305,57 @@ def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_r
         results.append((out, *caches))
     for name, grouped, plain in zip(("output", "key cache", "value cache"), *results):
         assert bits_equal(grouped, plain), f"{name}: {route} differs from {plain_route}"
+
+
+@pytest.mark.parametrize("head_dim,seq", [(64, 1024), (128, 1024), (128, 2048), (256, 1024)])
+def test_cuda_prefill_timeline(head_dim, seq):
+    """The diagnostic per-block timeline (`_C._set_prefill_timeline`, benchmarks/block_timeline.py)
+    on auto's warp-specialised kernels (three computing warpgroups of 64 rows at head size 64,
+    two elsewhere; the plain order at 1024 tokens, the pipelined one at 2048 for 128): every
+    query block is stamped once by each computing warpgroup, in record block * 4 + warpgroup,
+    with its work item, a CTA of the grid, its key tiles and SM clocks in order; the output is
+    the same bits as without the stamps; switched off, a call writes nothing to the buffer."""
+    if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+        pytest.skip("the timeline is stamped by the warp-specialised wgmma kernels: it needs an sm90 GPU and a build for 9.0a")
+    torch.manual_seed(head_dim + seq)
+    heads, kv_heads, dt = 8, 2, torch.bfloat16
+    q = torch.randn(1, seq, heads * head_dim, device="cuda", dtype=dt)
+    k, v = (torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt) for _ in range(2))
+    seqlens = torch.full((1,), seq - 1, dtype=torch.int32, device="cuda")
+    records = torch.zeros(4 * kv_heads * math.ceil(seq * 4 / 64), 8, dtype=torch.int64, device="cuda")
+
+    def call():
+        caches = [torch.full((1, kv_heads, seq, head_dim), float("nan"), device="cuda", dtype=dt) for _ in range(2)]
+        return gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, num_heads=heads,
+                                                kv_num_heads=kv_heads)
+
+    plain = call()
+    gqa_torch._C._set_prefill_timeline(records)
+    try:
+        stamped = call()
+    finally:
+        gqa_torch._C._set_prefill_timeline(None)
+    torch.cuda.synchronize()
+    assert bits_equal(stamped, plain), "the stamps changed the output"
+    rows = records.cpu()
+    used = torch.nonzero(rows[:, 3] != 0).squeeze(1)
+    warpgroups = 3 if head_dim == 64 else 2
+    block_rows = 64 * warpgroups
+    blocks = kv_heads * math.ceil(seq * (heads // kv_heads) / block_rows)
+    assert used.tolist() == [blk * 4 + wg for blk in range(blocks) for wg in range(warpgroups)], \
+        "each query block is stamped once by each computing warpgroup"
+    r = rows[used]
+    assert (r[:, 7] == used // 4).all(), "the work item field"
+    assert ((r[:, 0] > 0) & (r[:, 0] <= r[:, 1]) & (r[:, 1] <= r[:, 2]) & (r[:, 2] <= r[:, 3])).all(), \
+        "entry <= Q staged <= loop done <= exit"
+    tiles = r[:, 5] & 0xFFFFFFFF
+    assert ((tiles >= 1) & (tiles <= seq)).all(), "key tiles"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((r[:, 6] >= 0) & (r[:, 6] < sms) & ((r[:, 5] >> 32) < 2 * sms)).all(), "CTA and SM ids"
+    records.zero_()
+    call()
+    torch.cuda.synchronize()
+    assert not records.any(), "switched off, a call stamped the buffer"
 
 
 @pytest.fixture(params=["auto", "cp_async"])

@@ -635,3 +635,16 @@ def test_tuning_switches_name_what_they_expect():
     with pytest.raises(ValueError, match=r"gqa: min_split_keys: expected 0\.\.1048576, got -1"):
         gqa_torch._C._set_decode_split_override(0, -1)
     gqa_torch._C._set_decode_split_override(0, 0)  # back to the plan's own choice
+
+
+def test_prefill_timeline_switch_checks_its_buffer():
+    """The diagnostic per-block timeline takes an int64 CUDA tensor [n, 8] or None; anything
+    else is refused before a pointer is kept (a CPU tensor's address would be written by the GPU)."""
+    with pytest.raises(ValueError, match=r"gqa: prefill timeline: expected a contiguous int64 CUDA tensor of shape "
+                                         r"\[records, 8\], got Long \[3, 8\] on the CPU"):
+        gqa_torch._C._set_prefill_timeline(torch.zeros(3, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"gqa: prefill timeline: expected .*, got Int \[3, 8\] on the CPU"):
+        gqa_torch._C._set_prefill_timeline(torch.zeros(3, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"gqa: prefill timeline: expected .*, got Long \[24\] on the CPU"):
+        gqa_torch._C._set_prefill_timeline(torch.zeros(24, dtype=torch.int64))
+    gqa_torch._C._set_prefill_timeline(None)  # off, the default

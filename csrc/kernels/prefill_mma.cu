@@ -63,6 +63,30 @@ namespace pmma {
 // so that each side is compiled for its own register budget).
 enum class Role { kAll, kLoader, kCompute };
 
+// Diagnostics (Args::timeline, set_prefill_timeline): thread 0 of each computing warpgroup of
+// a warp-specialised kernel writes field `field` of its record for work item `work` (fields:
+// kTimeline*). The address is recomputed at each stamp, so that no register stays live across
+// the block for it; a null pointer costs one uniform branch a stamp.
+enum TimelineField { kTimelineEntry, kTimelineQReady, kTimelineLoopDone, kTimelineExit, kTimelineGlobalNs,
+                     kTimelineSmTiles, kTimelineCta, kTimelineWork, kTimelineFields };
+template <class C>
+__device__ __forceinline__ void timeline_put(const Args& a, int work, int field, unsigned long long value) {
+  if (a.timeline == nullptr || (threadIdx.x & 127) != 0 || threadIdx.x >= C::kConsumerThreads) return;
+  const int record = work * 4 + static_cast<int>(threadIdx.x >> 7);  // up to 4 computing warpgroups
+  if (record < a.timeline_records) a.timeline[static_cast<int64_t>(record) * kTimelineFields + field] = value;
+}
+__device__ __forceinline__ unsigned long long sm_clock() { return static_cast<unsigned long long>(clock64()); }
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 // One query block (work item `work`: heaviest first) of a CTA. `pipe` holds the warp-specialised
 // CTA's mbarriers and its counts of the K/V tiles and Q tiles passed so far (a persistent CTA:
 // the loader and the computing warpgroups walk the same items and skip the same ones, so their
@@ -99,6 +123,11 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   if (m0 >= valid_rows) {  // first-prompt padding only
     if (computes && !split_k) fill_warp_rows<T, C>(p, b, kvh, wrow0, nrows, 0u, lane);
     return;
+  }
+  constexpr bool stamps = C::kWarpSpecialized && kRole == Role::kCompute;
+  if constexpr (stamps) {
+    timeline_put<C>(a, work, kTimelineEntry, sm_clock());
+    timeline_put<C>(a, work, kTimelineGlobalNs, global_ns());
   }
 
   // This block's Q tile: Q buffer q_slot % kQBuffers (Q slots are counted like the K/V ring).
@@ -467,6 +496,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     if constexpr (C::kWarpSpecialized) {
       // The loader staged this block's Q tile (and fenced it for the async proxy).
       wg::mbarrier_wait(smem_addr(&pipe.q_full[q_buffer]), (q_slot / C::kQBuffers) & 1);
+      if constexpr (stamps) timeline_put<C>(a, work, kTimelineQReady, sm_clock());
       const uint32_t q_tile = smem_addr(q_block + (warp >> 2) * 64 * RB);
       // (The loader fenced its cp.async data for the async proxy before arriving; TMA writes
       // through the async proxy itself.)
@@ -610,6 +640,12 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         }
       }
       pipe.ring += n_tiles;
+      if constexpr (stamps) {
+        timeline_put<C>(a, work, kTimelineLoopDone, sm_clock());
+        timeline_put<C>(a, work, kTimelineSmTiles, (static_cast<unsigned long long>(sm_id()) << 32) | n_tiles);
+        timeline_put<C>(a, work, kTimelineCta, blockIdx.x);
+        timeline_put<C>(a, work, kTimelineWork, work);
+      }
     } else if constexpr (!C::kPipe) {
       int stage = 0;
       for (int it = 0; it < n_tiles; ++it) {
@@ -776,6 +812,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
               if (d * 8 + (lane & 3) * 2 < p.head_dim) row_out[d * 4] = words[d];
           }
         }
+      if constexpr (stamps) timeline_put<C>(a, work, kTimelineExit, sm_clock());
       return;
     }
 
@@ -808,6 +845,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     }
     // This thread is done with the Q tile (its staging rows read back): the loader may refill it.
     if constexpr (C::kWarpSpecialized) wg::mbarrier_arrive(smem_addr(&pipe.q_empty[q_buffer]));
+    if constexpr (stamps) timeline_put<C>(a, work, kTimelineExit, sm_clock());
   }
 }
 
@@ -980,6 +1018,10 @@ using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true, true
 std::atomic<int> g_route{0};  // set_prefill_route
 std::atomic<int> g_q_loader{0};  // set_prefill_q_loader: 0 TMA where it can run, 1 cp.async always
 std::atomic<int> g_append{0};  // set_prefill_append: 0 in the kernel where it can, 1 by prep always
+// set_prefill_timeline: the records and their count (nullptr: off). Set from one thread
+// between calls (a diagnostic), so a pointer and a count read separately cannot tear usefully.
+std::atomic<unsigned long long*> g_timeline{nullptr};
+std::atomic<int> g_timeline_records{0};
 
 using detail::device_attribute;
 using detail::device_is_sm90;
@@ -1224,6 +1266,10 @@ bool launch_typed(Args& a, int dpad, cudaStream_t stream) {
 
 void set_prefill_route(int route) { pmma::g_route.store(route, std::memory_order_relaxed); }
 void set_prefill_append(int append) { pmma::g_append.store(append, std::memory_order_relaxed); }
+void set_prefill_timeline(unsigned long long* records, int count) {
+  pmma::g_timeline_records.store(records != nullptr ? count : 0, std::memory_order_relaxed);
+  pmma::g_timeline.store(records, std::memory_order_relaxed);
+}
 
 bool prefill_mma_appends(const Params& p, int splits) {
   using namespace pmma;
@@ -1257,6 +1303,8 @@ bool launch_prefill_mma(const Params& p, const void* q, TokenStrides q_strides, 
   a.splits = splits > 1 ? splits : 1;
   a.partial_out = partial_out;
   a.partial_lse = partial_lse;
+  a.timeline = pmma::g_timeline.load(std::memory_order_relaxed);
+  a.timeline_records = a.timeline != nullptr ? pmma::g_timeline_records.load(std::memory_order_relaxed) : 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (p.dtype == DType::kFloat16) return pmma::launch_typed<__half>(a, dpad, s);
   return pmma::launch_typed<__nv_bfloat16>(a, dpad, s);

@@ -154,6 +154,11 @@ struct Args {
   int32_t align_groups;
   int32_t group_slots;
   int32_t num_slots;
+  // Diagnostics (set_prefill_timeline; nullptr: off): the warp-specialised kernels' computing
+  // warpgroups stamp each query block into records of kTimelineFields 64-bit words, record
+  // work * 4 + warpgroup, up to timeline_records of them (block_timeline.py reads them).
+  unsigned long long* timeline;
+  int32_t timeline_records;
   // The caches as TMA maps (encode_cache_map): [B][Hkv][C][D] in 64-column x SK-key boxes.
   CUtensorMap k_map;
   CUtensorMap v_map;

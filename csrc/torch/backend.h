@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 #include "../core/params.h"
 
 namespace gqa {
@@ -34,6 +36,11 @@ void set_prefill_route(const std::string& route);
 // Tests and benchmarks: how the warp-specialised prefill kernels stage Q, "auto" (the default:
 // by TMA where it can) or "cp_async" (kernels/prefill_mma.h). No-op in a CPU-only build.
 void set_prefill_q_loader(const std::string& loader);
+
+// Diagnostics: the prefill kernels' per-block timeline (kernels/prefill_mma.h) into `records`,
+// an int64 CUDA tensor [n, 8] that the caller keeps alive while it is set; nullopt turns it off.
+// No-op in a CPU-only build (after the checks).
+void set_prefill_timeline(const std::optional<at::Tensor>& records);
 
 // Tests and benchmarks: who writes the new rows of an in-place prefill without RoPE to the
 // caches, "auto" (the default: the attention kernel, for rows with no past, where it can) or

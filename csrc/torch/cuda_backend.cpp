@@ -3,6 +3,7 @@
 #include <atomic>
 #include <iterator>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "../core/errors.h"
@@ -60,6 +61,23 @@ void set_prefill_q_loader(const std::string& loader) {
   (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA
   cuda::set_prefill_q_loader(code);
+#endif
+}
+
+void set_prefill_timeline(const std::optional<at::Tensor>& records) {
+  if (!records.has_value()) {
+#ifdef GQA_WITH_CUDA
+    cuda::set_prefill_timeline(nullptr, 0);
+#endif
+    return;
+  }
+  const at::Tensor& t = *records;
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 2 && t.size(1) == 8,
+                    "gqa: prefill timeline: expected a contiguous int64 CUDA tensor of shape [records, 8], got ",
+                    t.scalar_type(), " ", t.sizes(), t.is_cuda() ? "" : " on the CPU");
+  TORCH_CHECK_VALUE(t.size(0) <= INT32_MAX, "gqa: prefill timeline: at most 2^31 - 1 records, got ", t.size(0));
+#ifdef GQA_WITH_CUDA
+  cuda::set_prefill_timeline(reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>()), static_cast<int>(t.size(0)));
 #endif
 }
 

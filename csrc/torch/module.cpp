@@ -18,6 +18,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_prefill_q_loader", &gqa::set_prefill_q_loader, pybind11::arg("loader"),
         "Tests and benchmarks: how the warp-specialised prefill stages Q, \"auto\" (TMA where it can, the "
         "default) or \"cp_async\".");
+  m.def("_set_prefill_timeline", &gqa::set_prefill_timeline, pybind11::arg("records"),
+        "Diagnostics: an int64 CUDA tensor [n, 8] that the warp-specialised prefill kernels stamp per query "
+        "block (benchmarks/block_timeline.py), or None (the default: off). Keep the tensor alive while set.");
   m.def("_set_prefill_append", &gqa::set_prefill_append, pybind11::arg("append"),
         "Tests and benchmarks: who appends an in-place prefill's new rows (no RoPE) to the caches, \"auto\" "
         "(the attention kernel, for rows with no past, where it can: the default) or \"prep\" (always prep).");

@@ -1,0 +1,155 @@
+"""Where a prefill kernel's time goes, block by block: the per-block timeline of the
+warp-specialised kernels (`_C._set_prefill_timeline`).
+
+Thread 0 of each computing warpgroup stamps every query block it computes with the SM clock at
+four points: entry (after the block's set-up checks), Q staged, tile loop done, exit (output
+stored). This script runs one in-place causal call per shape with the stamps on and reports:
+
+- t: the SM cycles per key tile in the loop, and c: the loop's fixed cost per block, from a
+  least-squares fit of the loop's cycles against the block's key tiles;
+- the Q wait (entry to Q staged), the epilogue (loop done to exit) and the gap between a
+  warpgroup's blocks (its previous exit to this entry: the walk and the block's set-up), in
+  cycles and in tiles' worth (÷ t);
+- the per-block overhead c + Q wait + epilogue + gap, in tiles, against the mean key tiles a
+  block: the share of the kernel that the block edges cost;
+- how evenly the CTAs are loaded (max / mean of each CTA's span from its first entry to its
+  last exit) and how far apart the computing warpgroups of a block enter and leave it.
+
+    python3 block_timeline.py --shapes 2x4096x128 1x16384x128 --route auto
+
+Diagnostics only: one call per shape, after a warm-up call without the stamps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import gqa_torch
+
+HQ, HKV = 32, 8
+FIELDS = ("entry", "q_ready", "loop_done", "exit", "global_ns", "sm_tiles", "cta", "work")
+WARPGROUPS_PER_RECORD = 4  # the kernel's records are work * 4 + computing warpgroup
+
+
+def parse_shape(text: str):
+    b, length, d = (int(x) for x in text.lower().split("x"))
+    return b, length, d
+
+
+def run_stamped(b: int, length: int, d: int, route: str, dtype: torch.dtype):
+    """The records of one stamped in-place causal call, and each one's computing warpgroup
+    (records with no stamp removed)."""
+    q = torch.randn(b, length, HQ * d, device="cuda", dtype=dtype)
+    k = torch.randn(b, length, HKV * d, device="cuda", dtype=dtype)
+    v = torch.randn(b, length, HKV * d, device="cuda", dtype=dtype)
+    caches = [torch.empty(b, HKV, length, d, device="cuda", dtype=dtype) for _ in range(2)]
+    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+    # Every warp-specialised config has at least 64 query rows a block.
+    blocks = b * HKV * math.ceil(length * (HQ // HKV) / 64)
+    records = torch.zeros(blocks * WARPGROUPS_PER_RECORD, len(FIELDS), dtype=torch.int64, device="cuda")
+
+    def call():
+        gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, num_heads=HQ, kv_num_heads=HKV)
+
+    gqa_torch._C._set_prefill_route(route)
+    try:
+        call()  # warm-up: the TMA maps, the opt-ins, the clocks
+        torch.cuda.synchronize()
+        gqa_torch._C._set_prefill_timeline(records)
+        try:
+            call()
+            torch.cuda.synchronize()
+        finally:
+            gqa_torch._C._set_prefill_timeline(None)
+    finally:
+        gqa_torch._C._set_prefill_route("auto")
+    gqa_torch.check_errors()
+    rows = records.cpu()
+    stamped = rows[:, FIELDS.index("exit")] != 0
+    warpgroup = torch.arange(rows.shape[0]) % WARPGROUPS_PER_RECORD
+    return rows[stamped], warpgroup[stamped]
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def analyse(rows: torch.Tensor, warpgroup: torch.Tensor) -> dict:
+    """The summary of one shape's records (see the module docstring). Clock values stay int64
+    until they are differences: only differences within one SM mean anything."""
+    field = {name: rows[:, i] for i, name in enumerate(FIELDS)}
+    entry, q_ready, loop_done, exit_ = (field[n] for n in ("entry", "q_ready", "loop_done", "exit"))
+    tiles = (field["sm_tiles"] & 0xFFFFFFFF).double()
+    q_wait = (q_ready - entry).double()
+    loop = (loop_done - q_ready).double()
+    epilogue = (exit_ - loop_done).double()
+    # loop = t * tiles + c, least squares.
+    design = torch.stack([tiles, torch.ones_like(tiles)], 1)
+    t, c = torch.linalg.lstsq(design, loop.unsqueeze(1)).solution.squeeze(1).tolist()
+
+    gaps, spans = [], []
+    for cta in field["cta"].unique().tolist():
+        in_cta = field["cta"] == cta
+        spans.append(float(exit_[in_cta].max() - entry[in_cta].min()))
+        for wg in warpgroup[in_cta].unique().tolist():
+            sel = in_cta & (warpgroup == wg)
+            order = torch.argsort(entry[sel])
+            gaps.extend((entry[sel][order][1:] - exit_[sel][order][:-1]).double().tolist())
+    # How far apart the computing warpgroups of one block enter and leave it.
+    works, inverse = field["work"].unique(return_inverse=True)
+    spread = {}
+    for name, stamp in (("entry", entry), ("exit", exit_)):
+        high = torch.full((works.numel(),), torch.iinfo(torch.int64).min).scatter_reduce(0, inverse, stamp, "amax")
+        low = torch.full((works.numel(),), torch.iinfo(torch.int64).max).scatter_reduce(0, inverse, stamp, "amin")
+        spread[name] = float((high - low).double().mean())
+    overhead = c + mean(q_wait.tolist()) + mean(epilogue.tolist()) + mean(gaps)
+    return {
+        "blocks": int(works.numel()),
+        "warpgroups": int(warpgroup.max()) + 1,
+        "mean_tiles": float(tiles.mean()),
+        "t_cycles_per_tile": t,
+        "c_loop_fixed_cycles": c,
+        "q_wait_cycles": float(q_wait.mean()),
+        "epilogue_cycles": float(epilogue.mean()),
+        "gap_cycles": mean(gaps),
+        "overhead_tiles": overhead / t if t > 0 else float("nan"),
+        "overhead_share": overhead / (overhead + t * float(tiles.mean())) if t > 0 else float("nan"),
+        "cta_span_max_over_mean": max(spans) / mean(spans),
+        "warpgroup_entry_spread_cycles": spread["entry"],
+        "warpgroup_exit_spread_cycles": spread["exit"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["8x1024x128", "2x4096x128", "1x16384x128"],
+                        help="B x L x D, causal, 32/8 heads")
+    parser.add_argument("--route", default="auto", help="a prefill route name (_C._set_prefill_route)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--json", help="also write the summaries to this file")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, causal, {HQ}/{HKV} heads, route {args.route}")
+    keys = ["blocks", "warpgroups", "mean_tiles", "t_cycles_per_tile", "c_loop_fixed_cycles", "q_wait_cycles",
+            "epilogue_cycles", "gap_cycles", "overhead_tiles", "overhead_share", "cta_span_max_over_mean",
+            "warpgroup_entry_spread_cycles", "warpgroup_exit_spread_cycles"]
+    print("| shape | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    summaries = {}
+    for shape in args.shapes:
+        b, length, d = parse_shape(shape)
+        summary = analyse(*run_stamped(b, length, d, args.route, dtype))
+        summaries[shape] = summary
+        cells = [f"{summary[k]:.3g}" if isinstance(summary[k], float) else str(summary[k]) for k in keys]
+        print(f"| {shape} | " + " | ".join(cells) + " |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"route": args.route, "dtype": args.dtype, "shapes": summaries}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
