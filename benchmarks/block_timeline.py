@@ -2,11 +2,14 @@
 warp-specialised kernels (`_C._set_prefill_timeline`).
 
 Thread 0 of each computing warpgroup stamps every query block it computes with the SM clock at
-four points: entry (after the block's set-up checks), Q staged, tile loop done, exit (output
-stored). This script runs one in-place causal call per shape with the stamps on and reports:
+entry (after the block's set-up checks), with Q staged, after the first tile (the pipelined
+order only), after the tile loop and at exit (output stored). This script runs one in-place
+causal call per shape with the stamps on and reports:
 
 - t: the SM cycles per key tile in the loop, and c: the loop's fixed cost per block, from a
-  least-squares fit of the loop's cycles against the block's key tiles;
+  least-squares fit of the loop's cycles against the block's key tiles (in the pipelined
+  order from the first tile's end, over the other tiles; the first tile, S and softmax with
+  no P V to overlap, is reported on its own);
 - the Q wait (entry to Q staged), the epilogue (loop done to exit) and the gap between a
   warpgroup's blocks (its previous exit to this entry: the walk and the block's set-up), in
   cycles and in tiles' worth (÷ t);
@@ -30,7 +33,7 @@ import torch
 import gqa_torch
 
 HQ, HKV = 32, 8
-FIELDS = ("entry", "q_ready", "loop_done", "exit", "global_ns", "sm_tiles", "cta", "work")
+FIELDS = ("entry", "q_ready", "first_done", "loop_done", "exit", "global_ns", "sm_tiles", "cta_work")
 WARPGROUPS_PER_RECORD = 4  # the kernel's records are work * 4 + computing warpgroup
 
 
@@ -82,31 +85,44 @@ def analyse(rows: torch.Tensor, warpgroup: torch.Tensor) -> dict:
     """The summary of one shape's records (see the module docstring). Clock values stay int64
     until they are differences: only differences within one SM mean anything."""
     field = {name: rows[:, i] for i, name in enumerate(FIELDS)}
-    entry, q_ready, loop_done, exit_ = (field[n] for n in ("entry", "q_ready", "loop_done", "exit"))
+    entry, q_ready, first_done, loop_done, exit_ = (
+        field[n] for n in ("entry", "q_ready", "first_done", "loop_done", "exit"))
     tiles = (field["sm_tiles"] & 0xFFFFFFFF).double()
+    cta, work = field["cta_work"] >> 32, field["cta_work"] & 0xFFFFFFFF
     q_wait = (q_ready - entry).double()
-    loop = (loop_done - q_ready).double()
     epilogue = (exit_ - loop_done).double()
+    # The pipelined order stamps its first tile (S and softmax with no P V to overlap): then the
+    # loop is fitted from there, over the remaining tiles.
+    pipelined = bool((first_done != 0).all())
+    if pipelined:
+        first = (first_done - q_ready).double()
+        loop, loop_tiles = (loop_done - first_done).double(), tiles - 1
+    else:
+        first = torch.full_like(tiles, float("nan"))
+        loop, loop_tiles = (loop_done - q_ready).double(), tiles
     # loop = t * tiles + c, least squares.
-    design = torch.stack([tiles, torch.ones_like(tiles)], 1)
+    design = torch.stack([loop_tiles, torch.ones_like(loop_tiles)], 1)
     t, c = torch.linalg.lstsq(design, loop.unsqueeze(1)).solution.squeeze(1).tolist()
 
     gaps, spans = [], []
-    for cta in field["cta"].unique().tolist():
-        in_cta = field["cta"] == cta
+    for one in cta.unique().tolist():
+        in_cta = cta == one
         spans.append(float(exit_[in_cta].max() - entry[in_cta].min()))
         for wg in warpgroup[in_cta].unique().tolist():
             sel = in_cta & (warpgroup == wg)
             order = torch.argsort(entry[sel])
             gaps.extend((entry[sel][order][1:] - exit_[sel][order][:-1]).double().tolist())
     # How far apart the computing warpgroups of one block enter and leave it.
-    works, inverse = field["work"].unique(return_inverse=True)
+    works, inverse = work.unique(return_inverse=True)
     spread = {}
     for name, stamp in (("entry", entry), ("exit", exit_)):
         high = torch.full((works.numel(),), torch.iinfo(torch.int64).min).scatter_reduce(0, inverse, stamp, "amax")
         low = torch.full((works.numel(),), torch.iinfo(torch.int64).max).scatter_reduce(0, inverse, stamp, "amin")
         spread[name] = float((high - low).double().mean())
-    overhead = c + mean(q_wait.tolist()) + mean(epilogue.tolist()) + mean(gaps)
+    # Cycles a block costs beyond t per key tile: the Q wait, the first tile's excess over a
+    # steady one (pipelined), the loop's fixed part, the epilogue and the gap to the next block.
+    first_excess = float(first.mean()) - t if pipelined else 0.0
+    overhead = float(q_wait.mean()) + first_excess + c + float(epilogue.mean()) + mean(gaps)
     return {
         "blocks": int(works.numel()),
         "warpgroups": int(warpgroup.max()) + 1,
@@ -114,6 +130,7 @@ def analyse(rows: torch.Tensor, warpgroup: torch.Tensor) -> dict:
         "t_cycles_per_tile": t,
         "c_loop_fixed_cycles": c,
         "q_wait_cycles": float(q_wait.mean()),
+        "first_tile_cycles": float(first.mean()),
         "epilogue_cycles": float(epilogue.mean()),
         "gap_cycles": mean(gaps),
         "overhead_tiles": overhead / t if t > 0 else float("nan"),
@@ -135,7 +152,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, causal, {HQ}/{HKV} heads, route {args.route}")
     keys = ["blocks", "warpgroups", "mean_tiles", "t_cycles_per_tile", "c_loop_fixed_cycles", "q_wait_cycles",
-            "epilogue_cycles", "gap_cycles", "overhead_tiles", "overhead_share", "cta_span_max_over_mean",
+            "first_tile_cycles", "epilogue_cycles", "gap_cycles", "overhead_tiles", "overhead_share", "cta_span_max_over_mean",
             "warpgroup_entry_spread_cycles", "warpgroup_exit_spread_cycles"]
     print("| shape | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")

@@ -338,20 +338,26 @@ def test_cuda_prefill_timeline(head_dim, seq):
     torch.cuda.synchronize()
     assert bits_equal(stamped, plain), "the stamps changed the output"
     rows = records.cpu()
-    used = torch.nonzero(rows[:, 3] != 0).squeeze(1)
+    # Fields: entry, Q staged, first tile done (pipelined order only), loop done, exit (SM
+    # clocks), global ns, SM << 32 | key tiles, CTA << 32 | work item.
+    used = torch.nonzero(rows[:, 4] != 0).squeeze(1)
     warpgroups = 3 if head_dim == 64 else 2
     block_rows = 64 * warpgroups
     blocks = kv_heads * math.ceil(seq * (heads // kv_heads) / block_rows)
     assert used.tolist() == [blk * 4 + wg for blk in range(blocks) for wg in range(warpgroups)], \
         "each query block is stamped once by each computing warpgroup"
     r = rows[used]
-    assert (r[:, 7] == used // 4).all(), "the work item field"
-    assert ((r[:, 0] > 0) & (r[:, 0] <= r[:, 1]) & (r[:, 1] <= r[:, 2]) & (r[:, 2] <= r[:, 3])).all(), \
+    assert ((r[:, 7] & 0xFFFFFFFF) == used // 4).all(), "the work item field"
+    assert ((r[:, 0] > 0) & (r[:, 0] <= r[:, 1]) & (r[:, 1] <= r[:, 3]) & (r[:, 3] <= r[:, 4])).all(), \
         "entry <= Q staged <= loop done <= exit"
-    tiles = r[:, 5] & 0xFFFFFFFF
+    if head_dim == 128 and seq >= 2048:  # auto's pipelined kernel
+        assert ((r[:, 1] <= r[:, 2]) & (r[:, 2] <= r[:, 3])).all(), "Q staged <= first tile done <= loop done"
+    else:
+        assert not r[:, 2].any(), "the plain order stamps no first tile"
+    tiles = r[:, 6] & 0xFFFFFFFF
     assert ((tiles >= 1) & (tiles <= seq)).all(), "key tiles"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert ((r[:, 6] >= 0) & (r[:, 6] < sms) & ((r[:, 5] >> 32) < 2 * sms)).all(), "CTA and SM ids"
+    assert (((r[:, 7] >> 32) < sms) & ((r[:, 6] >> 32) < 2 * sms)).all(), "CTA and SM ids"
     records.zero_()
     call()
     torch.cuda.synchronize()

@@ -67,8 +67,8 @@ enum class Role { kAll, kLoader, kCompute };
 // a warp-specialised kernel writes field `field` of its record for work item `work` (fields:
 // kTimeline*). The address is recomputed at each stamp, so that no register stays live across
 // the block for it; a null pointer costs one uniform branch a stamp.
-enum TimelineField { kTimelineEntry, kTimelineQReady, kTimelineLoopDone, kTimelineExit, kTimelineGlobalNs,
-                     kTimelineSmTiles, kTimelineCta, kTimelineWork, kTimelineFields };
+enum TimelineField { kTimelineEntry, kTimelineQReady, kTimelineFirstDone, kTimelineLoopDone, kTimelineExit,
+                     kTimelineGlobalNs, kTimelineSmTiles, kTimelineCtaWork, kTimelineFields };
 template <class C>
 __device__ __forceinline__ void timeline_put(const Args& a, int work, int field, unsigned long long value) {
   if (a.timeline == nullptr || (threadIdx.x & 127) != 0 || threadIdx.x >= C::kConsumerThreads) return;
@@ -575,6 +575,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
                                                                                       after_s);
           });
         }
+        // The pipelined order only: the first tile's S and softmax, with no P V to overlap.
+        if constexpr (stamps) timeline_put<C>(a, work, kTimelineFirstDone, sm_clock());
         // P V of tile it (P in p_cur) with S and softmax of tile it + 1 (P into p_next).
         auto step = [&](int it, uint32_t (&p_cur)[MT][BN / 16][4], uint32_t (&p_next)[MT][BN / 16][4]) {
           wait_v(it);
@@ -643,8 +645,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       if constexpr (stamps) {
         timeline_put<C>(a, work, kTimelineLoopDone, sm_clock());
         timeline_put<C>(a, work, kTimelineSmTiles, (static_cast<unsigned long long>(sm_id()) << 32) | n_tiles);
-        timeline_put<C>(a, work, kTimelineCta, blockIdx.x);
-        timeline_put<C>(a, work, kTimelineWork, work);
+        timeline_put<C>(a, work, kTimelineCtaWork, (static_cast<unsigned long long>(blockIdx.x) << 32) | work);
       }
     } else if constexpr (!C::kPipe) {
       int stage = 0;

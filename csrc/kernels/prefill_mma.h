@@ -69,8 +69,9 @@ void set_prefill_q_loader(int loader);
 
 // Diagnostics (benchmarks/block_timeline.py): the warp-specialised kernels' computing
 // warpgroups stamp each query block into `records` (device memory, `count` records of 8
-// 64-bit words: SM clock at entry, with Q staged, after the tile loop and at exit; the global
-// timer at entry; SM id << 32 | key tiles; CTA; work item), record work * 4 + warpgroup.
+// 64-bit words: SM clock at entry, with Q staged, after the first tile (the pipelined order
+// only; 0 elsewhere), after the tile loop and at exit; the global timer at entry; SM id << 32 |
+// key tiles; CTA << 32 | work item), record work * 4 + warpgroup.
 // nullptr turns it off (the default). Process-wide, like the other switches.
 void set_prefill_timeline(unsigned long long* records, int count);
 
