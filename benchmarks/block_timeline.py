@@ -18,7 +18,7 @@ causal call per shape with the stamps on and reports:
 - how evenly the CTAs are loaded (max / mean of each CTA's span from its first entry to its
   last exit) and how far apart the computing warpgroups of a block enter and leave it.
 
-    python3 block_timeline.py --shapes 2x4096x128 1x16384x128 --route auto
+    python3 block_timeline.py --shapes 2x4096x128 1x16384x128 --route auto wgmma_ws_kv_pipe3
 
 Diagnostics only: one call per shape, after a warm-up call without the stamps.
 """
@@ -70,7 +70,11 @@ def run_stamped(b: int, length: int, d: int, route: str, dtype: torch.dtype):
     finally:
         gqa_torch._C._set_prefill_route("auto")
     gqa_torch.check_errors()
-    rows = records.cpu()
+    return records.cpu()
+
+
+def computing_records(rows: torch.Tensor):
+    """The computing warpgroups' records (those with an exit stamp) and each one's warpgroup."""
     stamped = rows[:, FIELDS.index("exit")] != 0
     warpgroup = torch.arange(rows.shape[0]) % WARPGROUPS_PER_RECORD
     return rows[stamped], warpgroup[stamped]
@@ -145,27 +149,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["8x1024x128", "2x4096x128", "1x16384x128"],
                         help="B x L x D, causal, 32/8 heads")
-    parser.add_argument("--route", default="auto", help="a prefill route name (_C._set_prefill_route)")
+    parser.add_argument("--route", nargs="+", default=["auto"], help="prefill route names (_C._set_prefill_route)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--json", help="also write the summaries to this file")
+    parser.add_argument("--raw", help="also save every shape's records (torch.save) to this file")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, causal, {HQ}/{HKV} heads, route {args.route}")
+    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, causal, {HQ}/{HKV} heads")
     keys = ["blocks", "warpgroups", "mean_tiles", "t_cycles_per_tile", "c_loop_fixed_cycles", "q_wait_cycles",
             "first_tile_cycles", "epilogue_cycles", "gap_cycles", "overhead_tiles", "overhead_share", "cta_span_max_over_mean",
             "warpgroup_entry_spread_cycles", "warpgroup_exit_spread_cycles"]
-    print("| shape | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    summaries = {}
+    print("| shape | route | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 2) + "|")
+    summaries, raw = {}, {}
     for shape in args.shapes:
         b, length, d = parse_shape(shape)
-        summary = analyse(*run_stamped(b, length, d, args.route, dtype))
-        summaries[shape] = summary
-        cells = [f"{summary[k]:.3g}" if isinstance(summary[k], float) else str(summary[k]) for k in keys]
-        print(f"| {shape} | " + " | ".join(cells) + " |", flush=True)
+        for route in args.route:
+            rows = run_stamped(b, length, d, route, dtype)
+            raw[f"{shape} {route}"] = rows
+            summary = analyse(*computing_records(rows))
+            summaries[f"{shape} {route}"] = summary
+            cells = [f"{summary[k]:.3g}" if isinstance(summary[k], float) else str(summary[k]) for k in keys]
+            print(f"| {shape} | {route} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"route": args.route, "dtype": args.dtype, "shapes": summaries}, f, indent=1)
+            json.dump({"dtype": args.dtype, "fields": FIELDS, "runs": summaries}, f, indent=1)
+    if args.raw:
+        torch.save({"fields": FIELDS, "records": raw}, args.raw)
 
 
 if __name__ == "__main__":

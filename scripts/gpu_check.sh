@@ -102,7 +102,7 @@ for step in $steps; do
     timeline)
       # Where the prefill kernel's time goes, block by block (the per-block SM-clock stamps).
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 block_timeline.py ${GQA_TIMELINE_ARGS:-} \
-        --json "$OUT/block_timeline.json") > "$OUT/timeline.log" 2>&1 || status=1
+        --json "$OUT/block_timeline.json" --raw "$OUT/block_timeline.pt") > "$OUT/timeline.log" 2>&1 || status=1
       grep -E "^\||^device" "$OUT/timeline.log" ;;
     order)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 interleave_order.py ${GQA_ORDER_SHAPES:-2x4096x128 1x16384x128}) \
