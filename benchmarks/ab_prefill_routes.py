@@ -19,15 +19,10 @@ import argparse
 import torch
 
 import gqa_torch
-from common import progress, sets_for_bytes, time_graphs_interleaved, warm_up_gpu
+from common import parse_shape, progress, sets_for_bytes, time_graphs_interleaved, warm_up_gpu
 
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16
-
-
-def parse_shape(text: str):
-    b, length, d = (int(x) for x in text.lower().split("x"))
-    return b, length, d
 
 
 def time_routes(b: int, length: int, d: int, routes, rounds: int):

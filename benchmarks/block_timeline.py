@@ -31,15 +31,11 @@ import math
 import torch
 
 import gqa_torch
+from common import parse_shape
 
 HQ, HKV = 32, 8
 FIELDS = ("entry", "q_ready", "first_done", "loop_done", "exit", "global_ns", "sm_tiles", "cta_work")
 WARPGROUPS_PER_RECORD = 4  # the kernel's records are work * 4 + computing warpgroup
-
-
-def parse_shape(text: str):
-    b, length, d = (int(x) for x in text.lower().split("x"))
-    return b, length, d
 
 
 def run_stamped(b: int, length: int, d: int, route: str, dtype: torch.dtype):
@@ -156,11 +152,6 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, causal, {HQ}/{HKV} heads")
-    keys = ["blocks", "warpgroups", "mean_tiles", "t_cycles_per_tile", "c_loop_fixed_cycles", "q_wait_cycles",
-            "first_tile_cycles", "epilogue_cycles", "gap_cycles", "overhead_tiles", "overhead_share", "cta_span_max_over_mean",
-            "warpgroup_entry_spread_cycles", "warpgroup_exit_spread_cycles"]
-    print("| shape | route | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 2) + "|")
     summaries, raw = {}, {}
     for shape in args.shapes:
         b, length, d = parse_shape(shape)
@@ -168,8 +159,11 @@ def main() -> None:
             rows = run_stamped(b, length, d, route, dtype)
             raw[f"{shape} {route}"] = rows
             summary = analyse(*computing_records(rows))
+            if not summaries:  # the table's header: analyse()'s keys, in its order
+                print("| shape | route | " + " | ".join(summary) + " |")
+                print("|---" * (len(summary) + 2) + "|")
             summaries[f"{shape} {route}"] = summary
-            cells = [f"{summary[k]:.3g}" if isinstance(summary[k], float) else str(summary[k]) for k in keys]
+            cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in summary.values()]
             print(f"| {shape} | {route} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -22,6 +22,12 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def parse_shape(text: str):
+    """A prefill benchmark's shape argument, "BxLxD", as (B, L, D)."""
+    b, length, d = (int(x) for x in text.lower().split("x"))
+    return b, length, d
+
+
 def sets_for_bytes(bytes_per_set: int, target: int = 400 << 20, cap: int = 64) -> int:
     """How many input sets to rotate over so that their bytes exceed `target`."""
     return max(1, min(cap, -(-target // max(1, bytes_per_set))))

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend
 
 import gqa_torch
 from bench_prefill import causal_flops, sdpa_step
-from common import capture_graph, sets_for_bytes, warm_up_gpu
+from common import capture_graph, parse_shape, sets_for_bytes, warm_up_gpu
 
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16
@@ -93,7 +93,7 @@ def main():
                ("self, cudnn, flash, ours", fixed("cudnn", "flash", "ours"), 1),
                ("self, alternating", alternating, 1)]
     for shape in args.shapes:
-        b, length, d = (int(x) for x in shape.lower().split("x"))
+        b, length, d = parse_shape(shape)
         n, steps = steps_for(b, length, d)
         calls = max(n, 8)
         graphs = {name: capture_graph(step, n, calls) for name, step in steps.items()}
