@@ -570,10 +570,14 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             release(0);
             release_q_after(0);
           };
-          with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
-            w.template first_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(p_even, q_tile, k_tile(0), n0,
-                                                                                      after_s);
-          });
+          if constexpr (C::kOneStep) {
+            w.template first_pipe_wg<true, true>(p_even, q_tile, k_tile(0), n0, after_s, needs_mask(n0), cap);
+          } else {
+            with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+              w.template first_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(p_even, q_tile, k_tile(0),
+                                                                                        n0, after_s);
+            });
+          }
         }
         // The pipelined order only: the first tile's S and softmax, with no P V to overlap.
         if constexpr (stamps) timeline_put<C>(a, work, kTimelineFirstDone, sm_clock());
@@ -602,9 +606,40 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
           }
           release_v(it);  // every wgmma that read V(it) has completed
         };
-        for (int it = 0; it < n_tiles; it += 2) {
-          step(it, p_even, p_odd);
-          if (it + 1 < n_tiles) step(it + 1, p_odd, p_even);
+        // The one-step form: the same step with the mask and the softcap as run-time passes, P
+        // of the next tile copied back into p_even once P V of this one has completed.
+        auto one_step = [&](int it) {
+          wait_v(it);
+          if (it + 1 < n_tiles) {
+            wait_full(it + 1);
+            const int n1 = tile_n0(it + 1);
+            w.template tile_pipe_wg<true, true>(
+                p_even, p_odd, q_tile, k_tile(it + 1), v_tile(it), n1,
+                [&] {
+                  release(it + 1);
+                  release_q_after(it + 1);
+                },
+                [&] {
+                  if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
+                },
+                [&] {
+                  if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
+                },
+                needs_mask(n1), cap);
+            wg::copy_registers(reinterpret_cast<uint32_t (&)[MT * BN / 4]>(p_even),
+                               reinterpret_cast<const uint32_t (&)[MT * BN / 4]>(p_odd));
+          } else {
+            w.pv_wg(p_even, v_tile(it));
+          }
+          release_v(it);
+        };
+        if constexpr (C::kOneStep) {
+          for (int it = 0; it < n_tiles; ++it) one_step(it);
+        } else {
+          for (int it = 0; it < n_tiles; it += 2) {
+            step(it, p_even, p_odd);
+            if (it + 1 < n_tiles) step(it + 1, p_odd, p_even);
+          }
         }
       } else if constexpr (C::kSplitKV) {  // plain order; K goes back right after S
         for (int it = 0; it < n_tiles; ++it) {
@@ -1005,6 +1040,10 @@ using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 // exponentials ahead of the row maxima (every pipelined kernel's tile_pipe_wg, fourteenth
 // round), over route 5: 1.05 at B=4 L=2048, 0.98 at B=8 L=1024 (hence 2048 tokens).
 using Cfg128WSKVP3 = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2>;
+// Route 15 (experimental): Cfg128WSKVP3 with one copy of its loop's step (Config::kOneStep), to
+// test whether instruction fetch paces the block edges (eighteenth round, NOTES.md): 19.5k
+// instructions of kernel, two step bodies a block, against about 11k and one.
+using Cfg128WSKVP3One = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2, false, true>;
 // Route 9 and auto at D = 256: Cfg256WS with 80-key tiles, so that each tile's fixed
 // costs (the full-barrier wait, the row max / sum shuffles and the rescale vote, the mask
 // choice) spread over 25% more keys. Two stages of 80 keys are 160 KB, with the 64 KB Q tile
@@ -1139,7 +1178,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group); 13 as 12 with
 // each group in whole rounds of the grid (Args::align_groups, as auto groups); 14 the
 // plain-order kernels of routes 5 and 9 with the computing warpgroups taking turns
-// (Args::pingpong, as auto at 256).
+// (Args::pingpong, as auto at 256); 15 auto with one copy of the pipelined step at 128
+// (Cfg128WSKVP3One, at every length).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1198,7 +1238,10 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // (DRAM reads 185 -> 147 MB), 0.98-1.00x from 2048 tokens on, 0.99-1.00x at 64 and 256.
       // The fixed routes keep the plain copies (the A/B baselines).
       const bool experimental = route == 12 || route == 13;
-      a.l2_hints = (route == 0 && dpad == 128) || experimental ? 1 : 0;
+      // Route 15 (x_one_step) is auto with Cfg128WSKVP3One for its pipelined kernel, taken at
+      // padded head size 128 at every length.
+      const bool auto_like = route == 0 || route == 15;
+      a.l2_hints = (auto_like && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
       // (Args::pairs_per_group): routes 12 and 13, and auto at 128 once the K/V of all pairs
       // reach 64 MB in pairs of 4 MB or more, where the plain order streams them from DRAM again
@@ -1210,12 +1253,16 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // 0.979x), 1.050x at B=2 L=8192 (0.983x), 1.068x at B=2 L=16384, 1.070x at B=1 L=32768.
       const int64_t pair_kv_bytes = int64_t{2} * a.p.query_len * dpad * sizeof(T);
       const int64_t all_kv_bytes = pair_kv_bytes * a.p.kv_heads * a.p.batch;
-      const bool auto_groups = route == 0 && dpad == 128 && pair_kv_bytes >= (int64_t{4} << 20) &&
+      const bool auto_groups = auto_like && dpad == 128 && pair_kv_bytes >= (int64_t{4} << 20) &&
                                all_kv_bytes >= (int64_t{64} << 20);
       const bool group_pairs = experimental || auto_groups;
       a.align_groups = route == 13 || auto_groups ? 1 : 0;
       if (group_pairs)
         a.pairs_per_group = static_cast<int32_t>(std::max<int64_t>(1, (int64_t{32} << 20) / pair_kv_bytes));
+      if (route == 15 && dpad == 128) {
+        a.pingpong = 1;
+        return launch_ws<T, Cfg128WSKVP3One>(a, stream, route);
+      }
       if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || experimental)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);
@@ -1237,12 +1284,12 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // Auto's two computing warpgroups take turns to issue S and P V there, so that each one's
       // softmax runs under the other's MMAs (route 14 against route 9, seventeenth round:
       // 1.010x at B=2 L=4096, 1.017x at B=1 L=8192).
-      if ((route == 9 || route == 0 || experimental) && dpad == 256) {
+      if ((route == 9 || auto_like || experimental) && dpad == 256) {
         a.pingpong = route == 9 ? 0 : 1;
         return launch_ws<T, Cfg256WS80>(a, stream, route);
       }
       if (dpad == 64)
-        return route == 0 || route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route)
+        return auto_like || route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route)
                                                         : launch_ws<T, Cfg64WS>(a, stream, route);
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);

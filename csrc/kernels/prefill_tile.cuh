@@ -45,7 +45,7 @@ constexpr float kRescaleThreshold = 8.f;
 // has no TMA encoder), so the computing warpgroups never meet at a CTA-wide barrier; the register
 // file is split between them (setmaxnreg). With wgmma, the default on sm90 (launch_default).
 template <int D_, int WARPS_, int MT_, int BN_, int STAGES_, bool QREGS_, int MINB_, bool PIPE_, int SUB_ = 1,
-          bool WGMMA_ = false, int WS_ = 0, bool EXP_AHEAD_ = false>
+          bool WGMMA_ = false, int WS_ = 0, bool EXP_AHEAD_ = false, bool ONE_STEP_ = false>
 struct Config {
   static constexpr int D = D_;
   static constexpr int kWarps = WARPS_;
@@ -60,6 +60,11 @@ struct Config {
   // The plain wgmma order's unmasked tiles take softmax_ahead() (the pipelined order's always
   // do). Not where it spills: three computing warpgroups at D = 64 (152 registers a thread).
   static constexpr bool kExpAhead = EXP_AHEAD_;
+  // The pipelined order with one copy of its step (route 15): the mask and the softcap are
+  // run-time passes of one instantiation, and P of the next tile is copied back into the
+  // current tile's registers after each step, so that a block runs (and the SM fetches) one
+  // step body instead of two copies of each (mask, softcap) variant.
+  static constexpr bool kOneStep = ONE_STEP_;
   static constexpr bool kWarpSpecialized = WS_ != 0;
   // WS_ == 2: K and V of a stage have their own mbarriers, so that K is handed back as soon as
   // S = Q K^T is done and V after P V (one pair for both: a stage frees only after P V).
@@ -97,6 +102,7 @@ struct Config {
   static_assert(!PIPE_ || (SUB_ == 1 && (!WGMMA_ || WS_ == 2)),
                 "the pipelined order: mma.sync, or wgmma with split K/V stages; whole stages");
   static_assert(kStages >= 2, "at least double buffering");
+  static_assert(!ONE_STEP_ || (PIPE_ && WGMMA_ && WS_ == 2), "one step: the pipelined wgmma order");
   // 80-key tiles (route 9, D = 256): S is one m64n80 wgmma, P V five k16 steps; a blocked tile
   // of 80 rows is 10 whole 8-row atoms a column block (10 KB, so every atom stays 1024-byte
   // aligned), and the TMA box of 80 keys is within its 256-row limit. Nothing else in the
@@ -352,10 +358,12 @@ struct WarpTile {
     }
   }
 
-  // Softcap and mask, in place: the scores as softmax() and softmax_ahead() take them.
+  // Softcap and mask, in place: the scores as softmax() and softmax_ahead() take them. A pass
+  // compiled in (kMask, kCap) may still be skipped at run time (mask, cap: C::kOneStep).
   template <bool kMask, bool kCap>
-  __device__ __forceinline__ void shape_scores(float (&sc)[MT][NT][4], int n0) const {
-    if constexpr (kCap) {
+  __device__ __forceinline__ void shape_scores(float (&sc)[MT][NT][4], int n0, bool mask = true,
+                                               bool cap = true) const {
+    if (kCap && cap) {
       each_score(sc, [&](float& score, int, int, int) {
         // log2(e) * tanh(y), y = score * |scale| / softcap (k2 is the softcap itself, so that
         // softcap * log2(e) cannot overflow). For small |y|, 1 - 2/(e^2y + 1) cancels to
@@ -369,7 +377,7 @@ struct WarpTile {
         score = kLog2e * (fabsf(y) < 0.0625f ? series : closed);
       });
     }
-    if constexpr (kMask) {
+    if (kMask && mask) {
       each_score(sc, [&](float& score, int mt, int n, int e) {
         const int j = n0 + n * 8 + key_col + (e & 1);
         const int i = mt * 2 + (e >> 1);
@@ -393,8 +401,8 @@ struct WarpTile {
   // the per-row factor by which O must be rescaled (returns whether any row of the warp moved).
   template <bool kMask, bool kCap>
   __device__ __forceinline__ bool softmax(float (&sc)[MT][NT][4], uint32_t (&pa)[MT][BN / 16][4],
-                                          int n0, float (&alpha)[NR]) {
-    shape_scores<kMask, kCap>(sc, n0);
+                                          int n0, float (&alpha)[NR], bool mask = true, bool cap = true) {
+    shape_scores<kMask, kCap>(sc, n0, mask, cap);
     float mx[NR], nb[NR], rs[NR];
     row_max(sc, mx);
     const bool move = bases_must_move(mx);
@@ -502,8 +510,8 @@ struct WarpTile {
   // and its l_sum update an exact add. (An unmoved base of -inf gives nb 0, as in softmax().)
   template <bool kMask, bool kCap>
   __device__ __forceinline__ bool softmax_ahead(float (&sc)[MT][NT][4], uint32_t (&pa)[MT][BN / 16][4],
-                                                int n0, float (&alpha)[NR]) {
-    shape_scores<kMask, kCap>(sc, n0);
+                                                int n0, float (&alpha)[NR], bool mask = true, bool cap = true) {
+    shape_scores<kMask, kCap>(sc, n0, mask, cap);
     float nb[NR], rs[NR], mx[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) nb[i] = m_ref[i] == -INFINITY ? 0.f : -m_ref[i] * k2;
@@ -641,10 +649,12 @@ struct WarpTile {
   // ptxas merged the copy into the packing and so sank the exponentials below the P V wait.)
   // after_s() runs once S of the next tile is complete (its K is no longer read).
   // turn() and pass() bracket the issue of the two groups (Args::pingpong).
+  // mask and cap skip a compiled-in pass at run time (C::kOneStep's single instantiation).
   template <bool kMask, bool kCap, class AfterS, class Turn, class Pass>
   __device__ __forceinline__ void tile_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t (&pn)[MT][BN / 16][4],
                                                uint32_t q_tile, uint32_t k_next, uint32_t v_cur, int n0_next,
-                                               AfterS&& after_s, Turn&& turn, Pass&& pass) {
+                                               AfterS&& after_s, Turn&& turn, Pass&& pass, bool mask = true,
+                                               bool cap = true) {
     static_assert(MT * NT * 4 == BN / 2, "S is one m64nBN accumulator");
     float sc[MT][NT][4];
     float (&acc)[BN / 2] = reinterpret_cast<float (&)[BN / 2]>(sc);
@@ -670,7 +680,7 @@ struct WarpTile {
     wg::pin_registers(acc);
     after_s();
     float alpha[NR];
-    const bool rescale_o = softmax_ahead<kMask, kCap>(sc, pn, n0_next, alpha);
+    const bool rescale_o = softmax_ahead<kMask, kCap>(sc, pn, n0_next, alpha, mask, cap);
     // The softmax must stay above the wait for P V or nothing overlaps: ptxas does not move
     // arithmetic across the warpgroup barrier (register pins alone did not hold it).
     wg::pin_registers(reinterpret_cast<uint32_t (&)[BN / 4]>(pn));
@@ -687,12 +697,12 @@ struct WarpTile {
   // The pipelined order's first step: S and softmax of the first tile (P into pa).
   template <bool kMask, bool kCap, class AfterS>
   __device__ __forceinline__ void first_pipe_wg(uint32_t (&pa)[MT][BN / 16][4], uint32_t q_tile, uint32_t k_tile,
-                                                int n0, AfterS&& after_s) {
+                                                int n0, AfterS&& after_s, bool mask = true, bool cap = true) {
     float sc[MT][NT][4];
     float alpha[NR];
     compute_s_wg(sc, q_tile, k_tile);
     after_s();
-    softmax<kMask, kCap>(sc, pa, n0, alpha);  // O is still zero: nothing to rescale
+    softmax<kMask, kCap>(sc, pa, n0, alpha, mask, cap);  // O is still zero: nothing to rescale
   }
 
   // One whole tile, plain order: S, softmax, rescale, P V.

@@ -108,6 +108,14 @@ __device__ __forceinline__ void pin_registers(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
+// dst = src, one mov a register, each its own asm: ptxas can neither fold the copy into the code
+// that computed src (the pipelined order's packing, which would then sink below a wgmma wait)
+// nor drop it (C::kOneStep's P of the next tile, copied into the current tile's registers).
+template <int N>
+__device__ __forceinline__ void copy_registers(uint32_t (&dst)[N], const uint32_t (&src)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dst[i]) : "r"(src[i]));
+}
 // A barrier of this thread's warpgroup only (named barrier 1 + warpgroup; 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_barrier() {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + static_cast<int>(threadIdx.x >> 7)) : "memory");
