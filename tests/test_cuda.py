@@ -310,18 +310,20 @@ def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_r
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("seq", [300, 2048])
 @pytest.mark.parametrize("feature", ["plain", "softcap", "window", "smooth_sink"])
-def test_cuda_prefill_one_step(dtype, seq, feature):
-    """Route x_one_step builds the pipelined head-size-128 kernel with one copy of its loop's
-    step (Config::kOneStep: the mask and the softcap as run-time passes, P copied between the
-    register arrays), and takes it at every length. It does the same arithmetic in the same
-    order as route wgmma_ws_kv_pipe3's kernel (held to the reference by the route tests), so
-    the output and the appended caches must be the same bits. Row 0 has a past of 100 keys
-    (the first tiles cross the past's end), row 1 none; the caches start as NaN past the
-    rows' pasts and the output's block is freed full of NaN, so an unwritten element shows."""
+@pytest.mark.parametrize("d,two_step_route", [(64, "wgmma_ws3"), (128, "wgmma_ws_kv_pipe3"), (256, "wgmma_ws_bn80")])
+def test_cuda_prefill_one_step(dtype, seq, feature, d, two_step_route):
+    """Route x_one_step builds auto's warp-specialised kernels with one instantiation of their
+    step (Config::kOneStep: the mask and the softcap as run-time passes; in the pipelined order
+    at 128, taken at every length, P copied between the register arrays). Each does the same
+    arithmetic in the same order as the kernel of `two_step_route` (held to the reference by
+    the route tests; the turns and the L2 priorities change no value), so the output and the
+    appended caches must be the same bits. Row 0 has a past of 100 keys (the first tiles cross
+    the past's end), row 1 none; the caches start as NaN past the rows' pasts and the output's
+    block is freed full of NaN, so an unwritten element shows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("route x_one_step is a wgmma kernel: it needs an sm90 GPU and a build for 9.0a")
-    torch.manual_seed(seq + len(feature))
-    dt, heads, kv_heads, d, past = DTYPES[dtype], 8, 2, 128, 100
+    torch.manual_seed(seq + len(feature) + d)
+    dt, heads, kv_heads, past = DTYPES[dtype], 8, 2, 100
     q = torch.randn(2, seq, heads * d, device="cuda", dtype=dt)
     k, v = (torch.randn(2, seq, kv_heads * d, device="cuda", dtype=dt) for _ in range(2))
     seqlens = torch.tensor([past + seq - 1, seq - 1], dtype=torch.int32, device="cuda")
@@ -330,7 +332,7 @@ def test_cuda_prefill_one_step(dtype, seq, feature):
              "smooth_sink": {"smooth_softmax": True}}[feature]
     sink = torch.randn(heads, device="cuda", dtype=torch.float32) if feature == "smooth_sink" else None
     results = []
-    for route in ("x_one_step", "wgmma_ws_kv_pipe3"):
+    for route in ("x_one_step", two_step_route):
         caches = [torch.full((2, kv_heads, past + seq + 64, d), float("nan"), device="cuda", dtype=dt)
                   for _ in range(2)]
         for cache, old in zip(caches, history):
@@ -345,7 +347,7 @@ def test_cuda_prefill_one_step(dtype, seq, feature):
         assert not out.isnan().any(), f"{route}: NaN in the output"
         results.append((out, *caches))
     for name, one_step, two_steps in zip(("output", "key cache", "value cache"), *results):
-        assert bits_equal(one_step, two_steps), f"{name}: x_one_step differs from wgmma_ws_kv_pipe3"
+        assert bits_equal(one_step, two_steps), f"{name}: x_one_step differs from {two_step_route}"
 
 
 @pytest.mark.parametrize("head_dim,seq", [(64, 1024), (128, 1024), (128, 2048), (256, 1024)])

@@ -660,19 +660,24 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         // Args::pingpong (auto at padded head size 256, route 14): the turns of the pipelined
         // order, taken for S and for P V of each tile.
         const bool pingpong = C::kConsumerThreads == 256 && a.pingpong != 0;
+        auto turn = [&] {
+          if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
+        };
+        auto pass = [&] {
+          if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
+        };
         for (int it = 0; it < n_tiles; ++it) {
           wait_full(it);
           const int n0 = tile_n0(it);
-          with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
-            w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(
-                q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {},
-                [&] {
-                  if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
-                },
-                [&] {
-                  if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
-                });
-          });
+          if constexpr (C::kOneStep) {  // one instantiation: the mask and the softcap at run time
+            w.template tile_wg<true, true>(q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {},
+                                           turn, pass, needs_mask(n0), cap);
+          } else {
+            with_mask_and_cap(needs_mask(n0), cap, [&](auto mask, auto softcap) {
+              w.template tile_wg<decltype(mask)::value, decltype(softcap)::value>(
+                  q_tile, k_tile(it), v_tile(it), n0, [&] { release_q_after(it); }, [] {}, turn, pass);
+            });
+          }
           release(it);
         }
       }
@@ -1054,6 +1059,10 @@ using Cfg128WSKVP3One = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2, fa
 // Exponentials ahead of the row maxima (fourteenth round): 1.030x the same kernel without them
 // at B=2 L=4096, 1.043x at B=1 L=8192 (interleaved A/B; the same bits).
 using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true, true>;
+// Route 15 (experimental): auto's plain-order kernels at 64 and 256 with one instantiation of
+// their tile (Config::kOneStep).
+using Cfg256WS80One = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true, true, true>;
+using Cfg64WS3One = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true, false, true>;
 
 std::atomic<int> g_route{0};  // set_prefill_route
 std::atomic<int> g_q_loader{0};  // set_prefill_q_loader: 0 TMA where it can run, 1 cp.async always
@@ -1178,8 +1187,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // groups whose K/V fit in L2 (route 12, Args::l2_hints and pairs_per_group); 13 as 12 with
 // each group in whole rounds of the grid (Args::align_groups, as auto groups); 14 the
 // plain-order kernels of routes 5 and 9 with the computing warpgroups taking turns
-// (Args::pingpong, as auto at 256); 15 auto with one copy of the pipelined step at 128
-// (Cfg128WSKVP3One, at every length).
+// (Args::pingpong, as auto at 256); 15 auto's kernels with one instantiation of their step
+// (Config::kOneStep; at 128 the pipelined kernel at every length).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1238,8 +1247,8 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // (DRAM reads 185 -> 147 MB), 0.98-1.00x from 2048 tokens on, 0.99-1.00x at 64 and 256.
       // The fixed routes keep the plain copies (the A/B baselines).
       const bool experimental = route == 12 || route == 13;
-      // Route 15 (x_one_step) is auto with Cfg128WSKVP3One for its pipelined kernel, taken at
-      // padded head size 128 at every length.
+      // Route 15 (x_one_step) is auto with one instantiation of each kernel's step, taking the
+      // pipelined kernel at padded head size 128 at every length.
       const bool auto_like = route == 0 || route == 15;
       a.l2_hints = (auto_like && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
@@ -1284,6 +1293,13 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // Auto's two computing warpgroups take turns to issue S and P V there, so that each one's
       // softmax runs under the other's MMAs (route 14 against route 9, seventeenth round:
       // 1.010x at B=2 L=4096, 1.017x at B=1 L=8192).
+      if (route == 15 && dpad != 128) {
+        if (dpad == 64) return launch_ws<T, Cfg64WS3One>(a, stream, route);
+        if (dpad == 256) {
+          a.pingpong = 1;
+          return launch_ws<T, Cfg256WS80One>(a, stream, route);
+        }
+      }
       if ((route == 9 || auto_like || experimental) && dpad == 256) {
         a.pingpong = route == 9 ? 0 : 1;
         return launch_ws<T, Cfg256WS80>(a, stream, route);

@@ -60,10 +60,10 @@ struct Config {
   // The plain wgmma order's unmasked tiles take softmax_ahead() (the pipelined order's always
   // do). Not where it spills: three computing warpgroups at D = 64 (152 registers a thread).
   static constexpr bool kExpAhead = EXP_AHEAD_;
-  // The pipelined order with one copy of its step (route 15): the mask and the softcap are
-  // run-time passes of one instantiation, and P of the next tile is copied back into the
-  // current tile's registers after each step, so that a block runs (and the SM fetches) one
-  // step body instead of two copies of each (mask, softcap) variant.
+  // One instantiation of the step (route 15): the mask and the softcap are run-time passes,
+  // and in the pipelined order P of the next tile is copied back into the current tile's
+  // registers after each step, so that a block runs (and the SM fetches) one step body
+  // instead of one for each (mask, softcap) variant (two each in the pipelined order).
   static constexpr bool kOneStep = ONE_STEP_;
   static constexpr bool kWarpSpecialized = WS_ != 0;
   // WS_ == 2: K and V of a stage have their own mbarriers, so that K is handed back as soon as
@@ -102,7 +102,8 @@ struct Config {
   static_assert(!PIPE_ || (SUB_ == 1 && (!WGMMA_ || WS_ == 2)),
                 "the pipelined order: mma.sync, or wgmma with split K/V stages; whole stages");
   static_assert(kStages >= 2, "at least double buffering");
-  static_assert(!ONE_STEP_ || (PIPE_ && WGMMA_ && WS_ == 2), "one step: the pipelined wgmma order");
+  static_assert(!ONE_STEP_ || (WGMMA_ && (WS_ == 1 || (WS_ == 2 && PIPE_))),
+                "one step: the warp-specialised wgmma kernels of the pipelined order or of one barrier pair a stage");
   // 80-key tiles (route 9, D = 256): S is one m64n80 wgmma, P V five k16 steps; a blocked tile
   // of 80 rows is 10 whole 8-row atoms a column block (10 KB, so every atom stays 1024-byte
   // aligned), and the TMA box of 80 keys is within its 256-row limit. Nothing else in the
@@ -612,9 +613,11 @@ struct WarpTile {
   // The same with turn() and pass() bracketing the issue of S and of P V (Args::pingpong in the
   // plain order): the two computing warpgroups issue S, S, P V, P V, ..., so that each one's
   // softmax runs while the other's MMAs hold the tensor cores.
+  // mask and cap skip a compiled-in pass at run time (C::kOneStep's single instantiation).
   template <bool kMask, bool kCap, class AfterS, class BeforePV, class Turn, class Pass>
   __device__ __forceinline__ void tile_wg(uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int n0,
-                                          AfterS&& after_s, BeforePV&& before_pv, Turn&& turn, Pass&& pass) {
+                                          AfterS&& after_s, BeforePV&& before_pv, Turn&& turn, Pass&& pass,
+                                          bool mask = true, bool cap = true) {
     float sc[MT][NT][4];
     uint32_t pa[MT][BN / 16][4];
     float alpha[NR];
@@ -630,7 +633,10 @@ struct WarpTile {
     after_s();
     bool rescale_o;
     if constexpr (C::kExpAhead && !kMask) rescale_o = softmax_ahead<kMask, kCap>(sc, pa, n0, alpha);
-    else rescale_o = softmax<kMask, kCap>(sc, pa, n0, alpha);
+    else if constexpr (C::kExpAhead && C::kOneStep)  // the unmasked tiles ahead, as above
+      rescale_o = mask ? softmax<kMask, kCap>(sc, pa, n0, alpha, true, cap)
+                       : softmax_ahead<kMask, kCap>(sc, pa, n0, alpha, false, cap);
+    else rescale_o = softmax<kMask, kCap>(sc, pa, n0, alpha, mask, cap);
     if (rescale_o) rescale(alpha);
     before_pv();
     turn();
