@@ -161,8 +161,8 @@ def test_cuda_prefill_long(dtype, head_dim):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_cuda_prefill_auto_long_prompt(dtype):
     """A prompt of 8192 tokens at head size 128: from 2048 tokens "auto" takes the pipelined
-    kernel with three K/V stages (route wgmma_ws_kv_pipe3's) on sm90, below it the persistent
-    one; in place, with rotary on a packed input, against the float64 reference and the CPU
+    kernel with three K/V stages (route wgmma_ws_kv_pipe3's) on sm90, below it the same
+    kernel with one instantiation of its step (route x_one_step's); in place, with rotary on a packed input, against the float64 reference and the CPU
     backend (test_cuda_prefill_long covers 4096)."""
     case = make_case("inplace", batch=1, seq=8192, num_heads=2, kv_num_heads=1, head_dim=128, capacity=8192 + 64,
                      dtype=DTYPES[dtype], packed=dtype == "bf16", **FEATURE_CYCLE[1 + (dtype == "bf16")])
@@ -206,9 +206,9 @@ PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_pers
 
 @pytest.fixture(params=PREFILL_ROUTES)
 def prefill_route(request):
-    """Pins the prefill kernel (the default, "auto", takes wgmma_ws3 for padded head size 64,
-    wgmma_ws_persistent for 128 (wgmma_ws_kv_pipe3 from 2048 tokens) and wgmma_ws_bn80 for 256
-    on sm90, else mma), so that every kernel stays tested at every head size; wgmma_ws_bn80 has
+    """Pins the prefill kernel (the default, "auto", takes x_one_step's kernels for padded head
+    size 64 and for 128 below 2048 tokens, wgmma_ws_kv_pipe3 for 128 from 2048 tokens and
+    wgmma_ws_bn80 for 256 on sm90, else mma), so that every kernel stays tested at every head size; wgmma_ws_bn80 has
     a kernel of its own (80-key tiles) at padded head size 256 only (head sizes 192 and 256
     here), route wgmma_ws_persistent's below. Every route of a test gets the same inputs (seeded from the
     test id without the route), so the CPU side is computed once for all of them."""
@@ -354,7 +354,7 @@ def test_cuda_prefill_one_step(dtype, seq, feature, d, two_step_route):
 def test_cuda_prefill_timeline(head_dim, seq):
     """The diagnostic per-block timeline (`_C._set_prefill_timeline`, benchmarks/block_timeline.py)
     on auto's warp-specialised kernels (three computing warpgroups of 64 rows at head size 64,
-    two elsewhere; the plain order at 1024 tokens, the pipelined one at 2048 for 128): every
+    two elsewhere; the pipelined order at 128, the plain one elsewhere): every
     query block is stamped once by each computing warpgroup, in record block * 4 + warpgroup,
     with its work item, a CTA of the grid, its key tiles and SM clocks in order; the output is
     the same bits as without the stamps; switched off, a call writes nothing to the buffer."""
@@ -393,7 +393,7 @@ def test_cuda_prefill_timeline(head_dim, seq):
     assert ((r[:, 7] & 0xFFFFFFFF) == used // 4).all(), "the work item field"
     assert ((r[:, 0] > 0) & (r[:, 0] <= r[:, 1]) & (r[:, 1] <= r[:, 3]) & (r[:, 3] <= r[:, 4])).all(), \
         "entry <= Q staged <= loop done <= exit"
-    if head_dim == 128 and seq >= 2048:  # auto's pipelined kernel
+    if head_dim == 128:  # auto's pipelined kernels (one step below 2048 tokens, two copies from there)
         assert ((r[:, 1] <= r[:, 2]) & (r[:, 2] <= r[:, 3])).all(), "Q staged <= first tile done <= loop done"
     else:
         assert not r[:, 2].any(), "the plain order stamps no first tile"

@@ -1014,11 +1014,11 @@ using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 // pipelined order (S of the next tile with P V of this one), ping-pong between the computing
 // warpgroups, and cp.async instead of TMA in the loader (-25%); see csrc/kernels/NOTES.md.
 using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
-// D = 64 (auto, and route 6): three computing warpgroups (192 rows a block), so that two can be
+// D = 64 (route 6; auto takes it as Cfg64WS3One below): three computing warpgroups (192 rows a block), so that two can be
 // on the tensor cores while the third is in its softmax; with two, D = 64 was bound by that
 // chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313 TFLOP/s with two.
 using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
-// D = 128 (route 5, and auto below 2048 tokens) with its exponentials ahead of the row maxima
+// D = 128 (route 5, and auto below 2048 tokens until the nineteenth round) with its exponentials ahead of the row maxima
 // (Config::kExpAhead): H200, bf16, causal, 32/8 heads, 1.013x the same kernel without them at
 // B=8 L=1024 (interleaved A/B, fourteenth round; the same bits).
 using Cfg128WS = Config<128, 8, 1, 128, 2, false, 1, false, 1, true, true, true>;
@@ -1045,9 +1045,11 @@ using Cfg128WSKVP = Config<128, 8, 1, 128, 2, false, 1, true, 1, true, 2>;
 // exponentials ahead of the row maxima (every pipelined kernel's tile_pipe_wg, fourteenth
 // round), over route 5: 1.05 at B=4 L=2048, 0.98 at B=8 L=1024 (hence 2048 tokens).
 using Cfg128WSKVP3 = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2>;
-// Route 15 (experimental): Cfg128WSKVP3 with one copy of its loop's step (Config::kOneStep), to
-// test whether instruction fetch paces the block edges (eighteenth round, NOTES.md): 19.5k
-// instructions of kernel, two step bodies a block, against about 11k and one.
+// Auto at padded head size 128 below 2048 tokens (and route 15 at any length): Cfg128WSKVP3
+// with one instantiation of its loop's step (Config::kOneStep): 9.0k SASS instructions against
+// 19.5k, one step body a block against two of each (mask, softcap) variant. Measured in the
+// nineteenth round as a test of the eighteenth's instruction-fetch diagnosis: the block edges of
+// B=2 L=4096 did not move, but short prompts gained (launch_default says how much).
 using Cfg128WSKVP3One = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2, false, true>;
 // Route 9 and auto at D = 256: Cfg256WS with 80-key tiles, so that each tile's fixed
 // costs (the full-barrier wait, the row max / sum shuffles and the rescale vote, the mask
@@ -1059,8 +1061,8 @@ using Cfg128WSKVP3One = Config<128, 8, 1, 128, 3, false, 1, true, 1, true, 2, fa
 // Exponentials ahead of the row maxima (fourteenth round): 1.030x the same kernel without them
 // at B=2 L=4096, 1.043x at B=1 L=8192 (interleaved A/B; the same bits).
 using Cfg256WS80 = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true, true>;
-// Route 15 (experimental): auto's plain-order kernels at 64 and 256 with one instantiation of
-// their tile (Config::kOneStep).
+// The plain-order kernels with one instantiation of their tile (Config::kOneStep): auto's at
+// D = 64 (6.7k SASS instructions against 9.1k); at D = 256 route 15 only (it spills 16 bytes).
 using Cfg256WS80One = Config<256, 8, 1, 80, 2, false, 1, false, 1, true, true, true, true>;
 using Cfg64WS3One = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true, false, true>;
 
@@ -1175,8 +1177,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // Routes (set_prefill_route): 0 auto, 1 mma.sync, 2 plain wgmma, 3 warp-specialised wgmma
 // (TMA) with one CTA per query block, 4 the same with cp.async in the loader (the fallback when
 // the driver has no TMA encoder), 5 warp-specialised with persistent CTAs (auto's choice: at
-// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024; at padded head size
-// 64 auto takes 6's kernel), 6 as 5 with three computing warpgroups at padded head size 64 (at
+// least as fast as 3 on every row measured on an H200, +4% at B=8 L=1024; auto now takes other
+// kernels, launch_default says which), 6 as 5 with three computing warpgroups at padded head size 64 (at
 // 128 the same with 64-key tiles, the most that fits 152 registers, measured within 2% of 5:
 // removed), 7 and 8 as 5 and 6 with split K/V stage barriers, in the plain and the pipelined
 // order, 9 as 5 with 80-key tiles at padded head size 256 (Cfg256WS80, auto's kernel there),
@@ -1188,7 +1190,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // each group in whole rounds of the grid (Args::align_groups, as auto groups); 14 the
 // plain-order kernels of routes 5 and 9 with the computing warpgroups taking turns
 // (Args::pingpong, as auto at 256); 15 auto's kernels with one instantiation of their step
-// (Config::kOneStep; at 128 the pipelined kernel at every length).
+// (Config::kOneStep, as auto at 64 and at 128 below 2048 tokens; at 128 at every length, at
+// 256 too).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1268,11 +1271,17 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       a.align_groups = route == 13 || auto_groups ? 1 : 0;
       if (group_pairs)
         a.pairs_per_group = static_cast<int32_t>(std::max<int64_t>(1, (int64_t{32} << 20) / pair_kv_bytes));
-      if (route == 15 && dpad == 128) {
+      // Auto below 2048 tokens and route 15 at any length: the pipelined kernel with one
+      // instantiation of its step (Cfg128WSKVP3One). Interleaved A/B against the former auto
+      // (route 5's plain-order kernel below 2048 tokens, Cfg128WSKVP3 from there), H200, bf16,
+      // causal, 32/8 heads, nineteenth round: 1.032 at B=8 L=1024, 1.033 at B=16 L=1024, 1.023
+      // at B=4 L=1536, 1.001 at B=8 L=512; from 2048 tokens 0.994-0.995 (B=4 L=2048, B=2
+      // L=4096) and 1.011 (B=1 L=8192), so the two copies stay there.
+      if (dpad == 128 && ((route == 0 && a.p.query_len < kLongPromptForPipelinedWs) || route == 15)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3One>(a, stream, route);
       }
-      if (dpad == 128 && ((route == 0 && a.p.query_len >= kLongPromptForPipelinedWs) || route == 11 || experimental)) {
+      if (dpad == 128 && (route == 0 || route == 11 || experimental)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);
       }
@@ -1293,20 +1302,24 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // Auto's two computing warpgroups take turns to issue S and P V there, so that each one's
       // softmax runs under the other's MMAs (route 14 against route 9, seventeenth round:
       // 1.010x at B=2 L=4096, 1.017x at B=1 L=8192).
-      if (route == 15 && dpad != 128) {
-        if (dpad == 64) return launch_ws<T, Cfg64WS3One>(a, stream, route);
-        if (dpad == 256) {
-          a.pingpong = 1;
-          return launch_ws<T, Cfg256WS80One>(a, stream, route);
-        }
+      // D = 256 with one instantiation of its tile spills 16 bytes: 0.983 at B=2 L=4096 and
+      // 0.987 at B=1 L=8192 against auto's Cfg256WS80 (nineteenth round); route 15 only.
+      if (route == 15 && dpad == 256) {
+        a.pingpong = 1;
+        return launch_ws<T, Cfg256WS80One>(a, stream, route);
       }
       if ((route == 9 || auto_like || experimental) && dpad == 256) {
         a.pingpong = route == 9 ? 0 : 1;
         return launch_ws<T, Cfg256WS80>(a, stream, route);
       }
-      if (dpad == 64)
-        return auto_like || route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route)
-                                                        : launch_ws<T, Cfg64WS>(a, stream, route);
+      // D = 64: auto (and route 15) take route 6's kernel with one instantiation of its tile
+      // (Cfg64WS3One): 1.015 at B=8 L=1024, 1.012 at B=2 L=4096, 1.000 at B=1 L=16384
+      // (nineteenth round, interleaved A/B, as above).
+      if (dpad == 64) {
+        if (auto_like) return launch_ws<T, Cfg64WS3One>(a, stream, route);
+        return route == 6 || experimental ? launch_ws<T, Cfg64WS3>(a, stream, route)
+                                          : launch_ws<T, Cfg64WS>(a, stream, route);
+      }
       if (dpad == 128) return launch_ws<T, Cfg128WS>(a, stream, route);
       if (dpad == 256) return launch_ws<T, Cfg256WS>(a, stream, route);
     }
