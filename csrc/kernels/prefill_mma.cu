@@ -87,6 +87,24 @@ __device__ __forceinline__ unsigned sm_id() {
   return id;
 }
 
+// A 4 x 4 transpose of 32-bit words within each quad of lanes (lanes 4i .. 4i + 3), by two
+// butterfly swaps: lane q's x[j] becomes lane j's x[q]. Every lane of the warp must take part.
+__device__ __forceinline__ void quad_transpose(uint32_t (&x)[4], int lane) {
+#pragma unroll
+  for (int m = 1; m <= 2; m *= 2) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e & m) continue;
+      // The pair (e, e + m): the lower lane keeps x[e] and takes its partner's x[e]; the upper
+      // keeps x[e + m] and takes its partner's x[e + m].
+      const uint32_t recv = __shfl_xor_sync(0xffffffffu, upper ? x[e] : x[e + m], m);
+      if (upper) x[e] = recv;
+      else x[e + m] = recv;
+    }
+  }
+}
+
 // One query block (work item `work`: heaviest first) of a CTA. `pipe` holds the warp-specialised
 // CTA's mbarriers and its counts of the K/V tiles and Q tiles passed so far (a persistent CTA:
 // the loader and the computing warpgroups walk the same items and skip the same ones, so their
@@ -822,6 +840,40 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       // every word in one register, so each store waited for the one before it to read it, and
       // the epilogue held 4.5% of the kernel's stall samples at B = 2, L = 4096 (route 11).
       const bool all_columns = p.head_dim == D;
+      if (a.wide_o && all_columns) {
+        // Args::wide_o: after the swaps lane q of a quad holds the words of 8-column chunks
+        // 4k + q (from lanes 0-3 in column order) and stores each as 16 bytes. The swaps run
+        // on every lane (a shuffle takes the whole warp); only the stores check the row.
+        const uint64_t o_policy = a.l2_hints ? detail::l2_policy<detail::L2Evict::kFirst>() : 0;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = wrow0 + mt * 16 + (lane >> 2) + hh * 8;
+            const bool valid = r < valid_rows;  // first-prompt padding rows are exactly 0
+            const float fi = f[mt * 2 + hh];
+            uint32_t words[DT / 4][4];
+#pragma unroll
+            for (int d = 0; d < DT; ++d)
+              words[d / 4][d % 4] = valid ? H::pack(w.o[mt][d][2 * hh] * fi, w.o[mt][d][2 * hh + 1] * fi) : 0u;
+#pragma unroll
+            for (int k = 0; k < DT / 4; ++k) quad_transpose(words[k], lane);
+            if (r >= nrows) continue;
+            const int s = r / G, h = kvh * G + (r - s * G);
+            T* const row_out = out + static_cast<int64_t>(s) * p.output_strides.token +
+                               static_cast<int64_t>(h) * p.output_strides.head + (lane & 3) * 8;
+#pragma unroll
+            for (int k = 0; k < DT / 4; ++k) {
+              const uint4 v = make_uint4(words[k][0], words[k][1], words[k][2], words[k][3]);
+              if (a.l2_hints)
+                detail::st_global_v4_hint(row_out + k * 32, v, o_policy);
+              else
+                *reinterpret_cast<uint4*>(row_out + k * 32) = v;
+            }
+          }
+        if constexpr (stamps) timeline_put<C>(a, work, kTimelineExit, sm_clock());
+        return;
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1191,7 +1243,7 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // plain-order kernels of routes 5 and 9 with the computing warpgroups taking turns
 // (Args::pingpong, as auto at 256); 15 auto's kernels with one instantiation of their step
 // (Config::kOneStep, as auto at 64 and at 128 below 2048 tokens; at 128 at every length, at
-// 256 too).
+// 256 too); 16 auto with O stored in 16-byte chunks where it goes from registers (Args::wide_o).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1252,7 +1304,10 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       const bool experimental = route == 12 || route == 13;
       // Route 15 (x_one_step) is auto with one instantiation of each kernel's step, taking the
       // pipelined kernel at padded head size 128 at every length.
-      const bool auto_like = route == 0 || route == 15;
+      // Route 16 (x_wide_o) is auto with Args::wide_o.
+      const bool auto_kernels = route == 0 || route == 16;
+      const bool auto_like = auto_kernels || route == 15;
+      a.wide_o = route == 16 ? 1 : 0;
       a.l2_hints = (auto_like && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
       // (Args::pairs_per_group): routes 12 and 13, and auto at 128 once the K/V of all pairs
@@ -1277,11 +1332,11 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // causal, 32/8 heads, nineteenth round: 1.032 at B=8 L=1024, 1.033 at B=16 L=1024, 1.023
       // at B=4 L=1536, 1.001 at B=8 L=512; from 2048 tokens 0.994-0.995 (B=4 L=2048, B=2
       // L=4096) and 1.011 (B=1 L=8192), so the two copies stay there.
-      if (dpad == 128 && ((route == 0 && a.p.query_len < kLongPromptForPipelinedWs) || route == 15)) {
+      if (dpad == 128 && ((auto_kernels && a.p.query_len < kLongPromptForPipelinedWs) || route == 15)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3One>(a, stream, route);
       }
-      if (dpad == 128 && (route == 0 || route == 11 || experimental)) {
+      if (dpad == 128 && (auto_kernels || route == 11 || experimental)) {
         a.pingpong = 1;
         return launch_ws<T, Cfg128WSKVP3>(a, stream, route);
       }

@@ -161,6 +161,10 @@ struct Args {
   int32_t align_groups;
   int32_t group_slots;
   int32_t num_slots;
+  // O from registers (C::kEarlyQRelease) in 16-byte stores: the lanes of a quad swap words so
+  // that each stores a whole 8-column chunk (route 16, experimental; 0: one 4-byte store a
+  // word, each quad writing half a 32-byte sector).
+  int32_t wide_o;
   // Diagnostics (set_prefill_timeline; nullptr: off): the warp-specialised kernels' computing
   // warpgroups stamp each query block into records of kTimelineFields 64-bit words, record
   // work * 4 + warpgroup, up to timeline_records of them (block_timeline.py reads them).

@@ -120,12 +120,21 @@ __device__ __forceinline__ void tma_load_4d_hint(uint32_t dst, const void* tenso
 #endif
 }
 
-// A 4-byte global store with an L2 eviction policy.
+// 4- and 16-byte global stores with an L2 eviction policy.
 __device__ __forceinline__ void st_global_b32_hint(void* ptr, uint32_t value, uint64_t policy) {
 #if GQA_ASYNC_COPY_ENABLED
   asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;\n" ::"l"(ptr), "r"(value), "l"(policy) : "memory");
 #else
   *static_cast<uint32_t*>(ptr) = value;
+#endif
+}
+__device__ __forceinline__ void st_global_v4_hint(void* ptr, uint4 value, uint64_t policy) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(ptr), "r"(value.x), "r"(value.y),
+               "r"(value.z), "r"(value.w), "l"(policy)
+               : "memory");
+#else
+  *static_cast<uint4*>(ptr) = value;
 #endif
 }
 
