@@ -201,7 +201,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
                   "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3",
-                  "x_head_groups", "x_group_rounds", "x_plain_pp", "x_one_step", "x_wide_o"]
+                  "x_head_groups", "x_group_rounds", "x_plain_pp", "x_one_step", "x_narrow_o"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
@@ -310,18 +310,18 @@ def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_r
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("seq", [300, 2048])
 @pytest.mark.parametrize("feature", ["plain", "softcap", "window", "smooth_sink"])
-@pytest.mark.parametrize("route,d,two_step_route", [
+@pytest.mark.parametrize("route,d,other_route", [
     ("x_one_step", 64, "wgmma_ws3"), ("x_one_step", 128, "wgmma_ws_kv_pipe3"), ("x_one_step", 256, "wgmma_ws_bn80"),
-    ("x_wide_o", 128, "auto"), ("x_wide_o", 256, "auto")])
-def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, two_step_route):
-    """Two experimental routes whose arithmetic is that of another kernel, so the output and
-    the appended caches must be the same bits as under `two_step_route` (held to the reference
-    by the route tests; the turns and the L2 priorities change no value):
+    ("auto", 128, "x_narrow_o"), ("auto", 256, "x_narrow_o")])
+def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, other_route):
+    """Pairs of routes whose arithmetic is the same, so the output and the appended caches must
+    be the same bits under `route` as under `other_route` (each held to the reference by the
+    route tests; the turns and the L2 priorities change no value):
     - x_one_step builds auto's warp-specialised kernels with one instantiation of their step
       (Config::kOneStep: the mask and the softcap as run-time passes; in the pipelined order at
       128, taken at every length, P copied between the register arrays);
-    - x_wide_o is auto with O stored from registers in 16-byte chunks after the quads swap
-      words (Args::wide_o; auto's kernels at 128 and 256 write O from registers).
+    - auto stores O from registers (its kernels at 128 and 256) in 16-byte chunks after the
+      quads swap words (Args::wide_o), x_narrow_o in 4-byte words (each quad half a sector).
     Row 0 has a past of 100 keys (the first tiles cross the past's end), row 1 none; the caches
     start as NaN past the rows' pasts and the output's block is freed full of NaN, so an
     unwritten element shows."""
@@ -337,7 +337,7 @@ def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, two_step_ro
              "smooth_sink": {"smooth_softmax": True}}[feature]
     sink = torch.randn(heads, device="cuda", dtype=torch.float32) if feature == "smooth_sink" else None
     results = []
-    for pinned in (route, two_step_route):
+    for pinned in (route, other_route):
         caches = [torch.full((2, kv_heads, past + seq + 64, d), float("nan"), device="cuda", dtype=dt)
                   for _ in range(2)]
         for cache, old in zip(caches, history):
@@ -352,7 +352,7 @@ def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, two_step_ro
         assert not out.isnan().any(), f"{pinned}: NaN in the output"
         results.append((out, *caches))
     for name, ours, theirs in zip(("output", "key cache", "value cache"), *results):
-        assert bits_equal(ours, theirs), f"{name}: {route} differs from {two_step_route}"
+        assert bits_equal(ours, theirs), f"{name}: {route} differs from {other_route}"
 
 
 @pytest.mark.parametrize("head_dim,seq", [(64, 1024), (128, 1024), (128, 2048), (256, 1024)])

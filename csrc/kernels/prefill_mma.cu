@@ -1243,7 +1243,8 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // plain-order kernels of routes 5 and 9 with the computing warpgroups taking turns
 // (Args::pingpong, as auto at 256); 15 auto's kernels with one instantiation of their step
 // (Config::kOneStep, as auto at 64 and at 128 below 2048 tokens; at 128 at every length, at
-// 256 too); 16 auto with O stored in 16-byte chunks where it goes from registers (Args::wide_o).
+// 256 too); 16 auto with O stored from registers in 4-byte words (auto: 16-byte chunks,
+// Args::wide_o).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1304,10 +1305,14 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       const bool experimental = route == 12 || route == 13;
       // Route 15 (x_one_step) is auto with one instantiation of each kernel's step, taking the
       // pipelined kernel at padded head size 128 at every length.
-      // Route 16 (x_wide_o) is auto with Args::wide_o.
+      // Auto stores O from registers in 16-byte chunks (Args::wide_o); route 16 (x_narrow_o) is
+      // auto with the 4-byte stores, the A/B baseline. H200, bf16, causal, 32/8 heads,
+      // interleaved A/B (nineteenth round, route x_wide_o against the former auto): 1.057 at
+      // B=8 L=1024, 1.003-1.009 at L >= 4096 (D = 128); 1.058 at B=2 L=4096 and 1.026 at B=1
+      // L=8192 (D = 256, where the epilogue fell from 9,200 to 5,450 cycles a block).
       const bool auto_kernels = route == 0 || route == 16;
       const bool auto_like = auto_kernels || route == 15;
-      a.wide_o = route == 16 ? 1 : 0;
+      a.wide_o = route == 0 ? 1 : 0;
       a.l2_hints = (auto_like && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
       // (Args::pairs_per_group): routes 12 and 13, and auto at 128 once the K/V of all pairs

@@ -162,8 +162,8 @@ struct Args {
   int32_t group_slots;
   int32_t num_slots;
   // O from registers (C::kEarlyQRelease) in 16-byte stores: the lanes of a quad swap words so
-  // that each stores a whole 8-column chunk (route 16, experimental; 0: one 4-byte store a
-  // word, each quad writing half a 32-byte sector).
+  // that each stores a whole 8-column chunk (auto); 0: one 4-byte store a word, each quad
+  // writing half a 32-byte sector (the fixed routes, and route 16 as auto's A/B baseline).
   int32_t wide_o;
   // Diagnostics (set_prefill_timeline; nullptr: off): the warp-specialised kernels' computing
   // warpgroups stamp each query block into records of kTimelineFields 64-bit words, record
