@@ -267,6 +267,26 @@ def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
         _run_cuda_and_cpu(case)
 
 
+def _assert_same_bits_under_routes(routes, q, make_caches, call):
+    """Runs call(caches), the in-place op, under each of two prefill routes pinned, on fresh
+    caches from make_caches() and with the output's block freed full of NaN (poison_allocator),
+    so that an element left unwritten shows; the output and both caches must be the same bits
+    under both routes."""
+    results = []
+    for pinned in routes:
+        caches = make_caches()
+        poison_allocator([q.shape], q.dtype, device="cuda")
+        gqa_torch._C._set_prefill_route(pinned)
+        try:
+            out = call(caches)
+        finally:
+            gqa_torch._C._set_prefill_route("auto")
+        assert not out.isnan().any(), f"{pinned}: NaN in the output"
+        results.append((out, *caches))
+    for name, first, second in zip(("output", "key cache", "value cache"), *results):
+        assert bits_equal(first, second), f"{name}: {routes[0]} differs from {routes[1]}"
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("route,head_dim,seq,kv_heads,plain_route", [
     ("x_head_groups", 128, 32768, 3, "wgmma_ws_kv_pipe3"), ("x_head_groups", 256, 16384, 3, "auto"),
@@ -290,21 +310,15 @@ def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_r
     dt = DTYPES[dtype]
     q, k, v = (torch.randn(1, seq, kv_heads * head_dim, device="cuda", dtype=dt) for _ in range(3))
     seqlens = torch.full((1,), seq - 1, dtype=torch.int32, device="cuda")
-    results = []
-    for pinned in (route, plain_route):
-        caches = [torch.full((1, kv_heads, seq + 64, head_dim), float("nan"), device="cuda", dtype=dt)
-                  for _ in range(2)]
-        poison_allocator([q.shape], dt, device="cuda")
-        gqa_torch._C._set_prefill_route(pinned)
-        try:
-            out = gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, num_heads=kv_heads,
-                                                   kv_num_heads=kv_heads)
-        finally:
-            gqa_torch._C._set_prefill_route("auto")
-        assert not out.isnan().any(), f"{pinned}: NaN in the output"
-        results.append((out, *caches))
-    for name, grouped, plain in zip(("output", "key cache", "value cache"), *results):
-        assert bits_equal(grouped, plain), f"{name}: {route} differs from {plain_route}"
+
+    def make_caches():
+        return [torch.full((1, kv_heads, seq + 64, head_dim), float("nan"), device="cuda", dtype=dt) for _ in range(2)]
+
+    def call(caches):
+        return gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, num_heads=kv_heads,
+                                                kv_num_heads=kv_heads)
+
+    _assert_same_bits_under_routes((route, plain_route), q, make_caches, call)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -336,23 +350,18 @@ def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, other_route
     attrs = {"plain": {}, "softcap": {"softcap": 30.0}, "window": {"local_window_size": 200},
              "smooth_sink": {"smooth_softmax": True}}[feature]
     sink = torch.randn(heads, device="cuda", dtype=torch.float32) if feature == "smooth_sink" else None
-    results = []
-    for pinned in (route, other_route):
-        caches = [torch.full((2, kv_heads, past + seq + 64, d), float("nan"), device="cuda", dtype=dt)
-                  for _ in range(2)]
+
+    def make_caches():
+        caches = [torch.full((2, kv_heads, past + seq + 64, d), float("nan"), device="cuda", dtype=dt) for _ in range(2)]
         for cache, old in zip(caches, history):
             cache[0, :, :past] = old
-        poison_allocator([q.shape], dt, device="cuda")
-        gqa_torch._C._set_prefill_route(pinned)
-        try:
-            out = gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, head_sink=sink,
-                                                   num_heads=heads, kv_num_heads=kv_heads, **attrs)
-        finally:
-            gqa_torch._C._set_prefill_route("auto")
-        assert not out.isnan().any(), f"{pinned}: NaN in the output"
-        results.append((out, *caches))
-    for name, ours, theirs in zip(("output", "key cache", "value cache"), *results):
-        assert bits_equal(ours, theirs), f"{name}: {route} differs from {other_route}"
+        return caches
+
+    def call(caches):
+        return gqa_torch.group_query_attention_(q, k, v, caches[0], caches[1], seqlens, head_sink=sink,
+                                                num_heads=heads, kv_num_heads=kv_heads, **attrs)
+
+    _assert_same_bits_under_routes((route, other_route), q, make_caches, call)
 
 
 @pytest.mark.parametrize("head_dim,seq", [(64, 1024), (128, 1024), (128, 2048), (256, 1024)])

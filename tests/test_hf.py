@@ -70,6 +70,14 @@ class Spy:
         monkeypatch.setattr(ghf, "group_query_attention_", spy)
 
 
+def cache_kw(model, cache, generation=False):
+    """The cache as a keyword argument under the name this transformers version takes (read off
+    the signature, as gqa_torch.hf does): `cache` from 5.24, `past_key_values` before, where the
+    old name still works with a FutureWarning."""
+    fn = model.prepare_inputs_for_generation if generation else model.forward
+    return {ghf._cache_arg_name(fn): cache}
+
+
 def generate(model, ids, mask, **kwargs):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0,
@@ -102,15 +110,15 @@ def test_fused_logits_match_hf(family, monkeypatch):
     spy = Spy(monkeypatch)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        got = ours(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        got = ours(ids, attention_mask=mask, position_ids=positions, **cache_kw(ours, cache))
         real = mask.bool()
         torch.testing.assert_close(got.logits[real], want.logits[real], rtol=1e-4, atol=1e-4)
         past, tokens = want.past_key_values, want.logits[:, -1:].argmax(-1)
         for _ in range(2):
             mask = torch.cat([mask, torch.ones_like(tokens)], 1)
             positions = positions[:, -1:] + 1
-            want = ref(tokens, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-            got = ours(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            want = ref(tokens, attention_mask=mask, position_ids=positions, use_cache=True, **cache_kw(ref, past))
+            got = ours(tokens, attention_mask=mask, position_ids=positions, **cache_kw(ours, cache))
             torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
             past, tokens = want.past_key_values, want.logits[:, -1:].argmax(-1)
     assert spy.calls["fused"] == 3 * 3 and spy.calls["generic"] == 0
@@ -130,7 +138,7 @@ def test_window_and_softcap_are_exercised(family):
     ids, mask = left_padded([12, 9])
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
-        got = ours(ids, attention_mask=mask, past_key_values=GQACache.for_model(ours, 2, 12)).logits
+        got = ours(ids, attention_mask=mask, **cache_kw(ours, GQACache.for_model(ours, 2, 12))).logits
     assert (got - want)[mask.bool()].abs().max() > 1e-2
 
 
@@ -179,10 +187,10 @@ def test_gqacache_too_small_raises_before_writing():
     ids, mask = left_padded([6, 6])
     cache = GQACache.for_model(model, 2, 8)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kw(model, cache))
         keys_before = cache.kv.key.clone()
         with pytest.raises(ValueError, match="capacity"):
-            model(ids[:, :3], attention_mask=torch.ones(2, 9, dtype=torch.long), past_key_values=cache)
+            model(ids[:, :3], attention_mask=torch.ones(2, 9, dtype=torch.long), **cache_kw(model, cache))
     assert torch.equal(cache.kv.key, keys_before)
     assert cache.kv.lengths_host(0).tolist() == [6, 6]
 
@@ -192,11 +200,11 @@ def test_gqacache_reset_and_reuse_across_generate_calls():
     ours = ghf.enable(copy.deepcopy(ref))
     cache = GQACache.for_model(ours, 2, 32)
     ids, mask = left_padded([4, 9])
-    first = generate(ours, ids, mask, past_key_values=cache)
+    first = generate(ours, ids, mask, **cache_kw(ours, cache, generation=True))
     assert int(cache.get_seq_length()) == ids.shape[1] + 7
     cache.reset()
     assert int(cache.get_seq_length()) == 0 and cache.kv.lengths.eq(0).all()
-    assert torch.equal(generate(ours, ids, mask, past_key_values=cache), first)
+    assert torch.equal(generate(ours, ids, mask, **cache_kw(ours, cache, generation=True)), first)
     assert torch.equal(first, generate(ref, ids, mask))
 
 
@@ -285,7 +293,7 @@ def test_gpu_bf16_fused_close_to_hf(family):
     cache = GQACache.for_model(ours, 3, 24)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits.float()
-        got = ours(ids, attention_mask=mask, past_key_values=cache).logits.float()
+        got = ours(ids, attention_mask=mask, **cache_kw(ours, cache)).logits.float()
     real = mask.bool()
     rel = ((got - want)[real].norm() / want[real].norm()).item()
     assert rel < 3e-2, rel
@@ -332,11 +340,11 @@ def test_gpu_graph_decode_of_an_hf_model(backend):
     expected = generate(ours, ids, torch.ones_like(ids), max_new_tokens=steps, disable_compile=True)[:, P:]
     cache = GQACache.for_model(ours, B, P + steps)
     with torch.no_grad():
-        first = ours(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        first = ours(ids, **cache_kw(ours, cache)).logits[:, -1:].argmax(-1)
 
         def step(tokens):
             positions = cache.kv.lengths[0][:, None].long()
-            return ours(input_ids=tokens, position_ids=positions, past_key_values=cache).logits
+            return ours(input_ids=tokens, position_ids=positions, **cache_kw(ours, cache)).logits
 
         runner = CUDAGraphStep(step) if backend == "graph" else CompiledStep(step)
         got = greedy_decode(runner, first, steps)

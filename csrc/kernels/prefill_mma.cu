@@ -599,60 +599,43 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         }
         // The pipelined order only: the first tile's S and softmax, with no P V to overlap.
         if constexpr (stamps) timeline_put<C>(a, work, kTimelineFirstDone, sm_clock());
-        // P V of tile it (P in p_cur) with S and softmax of tile it + 1 (P into p_next).
+        auto turn = [&] {
+          if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
+        };
+        auto pass = [&] {
+          if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
+        };
+        // P V of tile it (P in p_cur) with S and softmax of tile it + 1 (P into p_next). In the
+        // one-step form (C::kOneStep) the mask and the softcap are run-time passes, and P of tile
+        // it + 1 goes back into p_cur once P V of tile it has completed, so that the caller
+        // passes the same two arrays at every tile.
         auto step = [&](int it, uint32_t (&p_cur)[MT][BN / 16][4], uint32_t (&p_next)[MT][BN / 16][4]) {
           wait_v(it);
           if (it + 1 < n_tiles) {
             wait_full(it + 1);
             const int n1 = tile_n0(it + 1);
-            with_mask_and_cap(needs_mask(n1), cap, [&](auto mask, auto softcap) {
-              w.template tile_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(
-                  p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1,
-                  [&] {
-                    release(it + 1);
-                    release_q_after(it + 1);
-                  },
-                  [&] {
-                    if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
-                  },
-                  [&] {
-                    if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
-                  });
-            });
+            auto after_s = [&] {
+              release(it + 1);
+              release_q_after(it + 1);
+            };
+            if constexpr (C::kOneStep) {
+              w.template tile_pipe_wg<true, true>(p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1, after_s,
+                                                  turn, pass, needs_mask(n1), cap);
+              wg::copy_registers(reinterpret_cast<uint32_t (&)[MT * BN / 4]>(p_cur),
+                                 reinterpret_cast<const uint32_t (&)[MT * BN / 4]>(p_next));
+            } else {
+              with_mask_and_cap(needs_mask(n1), cap, [&](auto mask, auto softcap) {
+                w.template tile_pipe_wg<decltype(mask)::value, decltype(softcap)::value>(
+                    p_cur, p_next, q_tile, k_tile(it + 1), v_tile(it), n1, after_s, turn, pass);
+              });
+            }
           } else {
             w.pv_wg(p_cur, v_tile(it));
           }
           release_v(it);  // every wgmma that read V(it) has completed
         };
-        // The one-step form: the same step with the mask and the softcap as run-time passes, P
-        // of the next tile copied back into p_even once P V of this one has completed.
-        auto one_step = [&](int it) {
-          wait_v(it);
-          if (it + 1 < n_tiles) {
-            wait_full(it + 1);
-            const int n1 = tile_n0(it + 1);
-            w.template tile_pipe_wg<true, true>(
-                p_even, p_odd, q_tile, k_tile(it + 1), v_tile(it), n1,
-                [&] {
-                  release(it + 1);
-                  release_q_after(it + 1);
-                },
-                [&] {
-                  if (pingpong) wg::named_barrier_sync(kTurnBarrier + (warp >> 2), 256);
-                },
-                [&] {
-                  if (pingpong) wg::named_barrier_arrive(kTurnBarrier + 1 - (warp >> 2), 256);
-                },
-                needs_mask(n1), cap);
-            wg::copy_registers(reinterpret_cast<uint32_t (&)[MT * BN / 4]>(p_even),
-                               reinterpret_cast<const uint32_t (&)[MT * BN / 4]>(p_odd));
-          } else {
-            w.pv_wg(p_even, v_tile(it));
-          }
-          release_v(it);
-        };
         if constexpr (C::kOneStep) {
-          for (int it = 0; it < n_tiles; ++it) one_step(it);
+          for (int it = 0; it < n_tiles; ++it) step(it, p_even, p_odd);
         } else {
           for (int it = 0; it < n_tiles; it += 2) {
             step(it, p_even, p_odd);
