@@ -162,8 +162,9 @@ def test_cuda_prefill_long(dtype, head_dim):
 def test_cuda_prefill_auto_long_prompt(dtype):
     """A prompt of 8192 tokens at head size 128: from 2048 tokens "auto" takes the pipelined
     kernel with three K/V stages (route wgmma_ws_kv_pipe3's) on sm90, below it the same
-    kernel with one instantiation of its step (route x_one_step's); in place, with rotary on a packed input, against the float64 reference and the CPU
-    backend (test_cuda_prefill_long covers 4096)."""
+    kernel with one instantiation of its step (route x_one_step's); in place, with rotary on a
+    packed input, against the float64 reference and the CPU backend (test_cuda_prefill_long
+    covers 4096)."""
     case = make_case("inplace", batch=1, seq=8192, num_heads=2, kv_num_heads=1, head_dim=128, capacity=8192 + 64,
                      dtype=DTYPES[dtype], packed=dtype == "bf16", **FEATURE_CYCLE[1 + (dtype == "bf16")])
     _run_cuda_and_cpu(case)
@@ -208,10 +209,11 @@ PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_pers
 def prefill_route(request):
     """Pins the prefill kernel (the default, "auto", takes x_one_step's kernels for padded head
     size 64 and for 128 below 2048 tokens, wgmma_ws_kv_pipe3 for 128 from 2048 tokens and
-    wgmma_ws_bn80 for 256 on sm90, else mma), so that every kernel stays tested at every head size; wgmma_ws_bn80 has
-    a kernel of its own (80-key tiles) at padded head size 256 only (head sizes 192 and 256
-    here), route wgmma_ws_persistent's below. Every route of a test gets the same inputs (seeded from the
-    test id without the route), so the CPU side is computed once for all of them."""
+    wgmma_ws_bn80 for 256 on sm90, else mma), so that every kernel stays tested at every head
+    size; wgmma_ws_bn80 has a kernel of its own (80-key tiles) at padded head size 256 only
+    (head sizes 192 and 256 here), route wgmma_ws_persistent's below. Every route of a test gets
+    the same inputs (seeded from the test id without the route), so the CPU side is computed
+    once for all of them."""
     name, _, params = request.node.nodeid.partition("[")
     params = re.sub(rf"(?<=^){re.escape(request.param)}(?=[-\]])|(?<=-){re.escape(request.param)}(?=[-\]])", "*",
                     params, count=1)
@@ -352,7 +354,8 @@ def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, other_route
     sink = torch.randn(heads, device="cuda", dtype=torch.float32) if feature == "smooth_sink" else None
 
     def make_caches():
-        caches = [torch.full((2, kv_heads, past + seq + 64, d), float("nan"), device="cuda", dtype=dt) for _ in range(2)]
+        caches = [torch.full((2, kv_heads, past + seq + 64, d), float("nan"), device="cuda", dtype=dt)
+                  for _ in range(2)]
         for cache, old in zip(caches, history):
             cache[0, :, :past] = old
         return caches

@@ -1049,9 +1049,10 @@ using Cfg128W = Config<128, 8, 1, 64, 2, false, 1, false, 1, true>;
 // pipelined order (S of the next tile with P V of this one), ping-pong between the computing
 // warpgroups, and cp.async instead of TMA in the loader (-25%); see csrc/kernels/NOTES.md.
 using Cfg64WS = Config<64, 8, 1, 128, 2, false, 1, false, 1, true, true>;
-// D = 64 (route 6; auto takes it as Cfg64WS3One below): three computing warpgroups (192 rows a block), so that two can be
-// on the tensor cores while the third is in its softmax; with two, D = 64 was bound by that
-// chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313 TFLOP/s with two.
+// D = 64 (route 6; auto takes it as Cfg64WS3One below): three computing warpgroups (192 rows a
+// block), so that two can be on the tensor cores while the third is in its softmax; with two,
+// D = 64 was bound by that chain (tensor pipe 34% busy). H200, B=2 L=4096: 391 against 313
+// TFLOP/s with two.
 using Cfg64WS3 = Config<64, 12, 1, 128, 2, false, 1, false, 1, true, true>;
 // D = 128 (route 5, and auto below 2048 tokens until the nineteenth round) with its exponentials ahead of the row maxima
 // (Config::kExpAhead): H200, bf16, causal, 32/8 heads, 1.013x the same kernel without them at
