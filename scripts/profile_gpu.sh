@@ -26,7 +26,7 @@ for row in $rows; do
   if [ -n "${GQA_SASS:-}" ]; then  # per-instruction stall samples (scripts/sass_hotspots.py)
     ncu -i "$OUT/rep_$row.ncu-rep" --page details > "$OUT/ncu_$row.log" 2>&1
     ncu -i "$OUT/rep_$row.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_$row.csv" 2>&1
-    python3 scripts/sass_hotspots.py "$OUT/sass_$row.csv" > "$OUT/hotspots_$row.txt" 2>&1
+    python3 scripts/sass_hotspots.py "$OUT/sass_$row.csv" --stretches > "$OUT/hotspots_$row.txt" 2>&1
     head -4 "$OUT/hotspots_$row.txt"
   fi
   echo "== ncu $row"

@@ -7,7 +7,13 @@ code, and the top sites with the instructions just before them (the stall shows 
 instruction that waits, and its cause is usually a few lines up: the load it consumes, the
 barrier it sits behind).
 
-    python3 scripts/sass_hotspots.py FILE.csv [--top 8] [--context 6]
+With --stretches it also cuts the code at each instruction that reads the SM clock
+(SR_CLOCKLO): the prefill kernels' timeline stamps (`_C._set_prefill_timeline`) are compiled in
+and only switched off at run time, so they mark a block's stretches in the SASS (entry, Q
+ready, first tile done, loop done, exit), and each stretch gets its share of the samples and its
+stall reasons.
+
+    python3 scripts/sass_hotspots.py FILE.csv [--top 8] [--context 6] [--stretches]
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ def main() -> None:
     parser.add_argument("csv_file")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--context", type=int, default=6)
+    parser.add_argument("--stretches", action="store_true",
+                        help="also the samples of each stretch between SM clock reads")
     args = parser.parse_args()
 
     with open(args.csv_file, newline="") as f:
@@ -30,10 +38,10 @@ def main() -> None:
     if not starts:
         raise SystemExit(f"{args.csv_file}: no 'Kernel Name' line; is it ncu's --page source --csv output?")
     for begin, end in zip(starts, starts[1:] + [len(rows)]):
-        report(rows[begin], rows[begin + 1], rows[begin + 2:end], args.top, args.context)
+        report(rows[begin], rows[begin + 1], rows[begin + 2:end], args.top, args.context, args.stretches)
 
 
-def report(kernel, header, code, top_n, context):
+def report(kernel, header, code, top_n, context, stretches=False):
     source = header.index("Source")
     samples = header.index("Warp Stall Sampling (All Samples)")
     reasons = [i for i, h in enumerate(header) if h.startswith("stall_") and "(Not Issued)" not in h]
@@ -60,6 +68,17 @@ def report(kernel, header, code, top_n, context):
         print(f"\n{100 * value(row, samples) / total:5.1f}%  {row[source].strip()}   [{why}]")
         for before in code[max(0, k - context):k]:
             print(f"          {before[source].strip()}")
+    if stretches:
+        clocks = [k for k, r in enumerate(code) if "SR_CLOCKLO" in r[source]]
+        print(f"\nstretches between the {len(clocks)} SM clock reads (instruction indices):")
+        for lo, hi in zip([0] + clocks, clocks + [len(code)]):
+            part = code[lo:hi]
+            n = sum(value(r, samples) for r in part)
+            if not part or not n:
+                continue
+            why = sorted(((sum(value(r, i) for r in part), header[i]) for i in reasons), reverse=True)
+            print(f"  [{lo}, {hi}): {hi - lo} instructions, {100 * n / total:.1f}% of the samples: "
+                  + ", ".join(f"{name[6:]} {100 * v / n:.0f}%" for v, name in why[:6] if v))
     print()
 
 
