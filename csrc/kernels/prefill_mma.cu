@@ -1293,7 +1293,9 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // auto with the 4-byte stores, the A/B baseline. H200, bf16, causal, 32/8 heads,
       // interleaved A/B (nineteenth round, route x_wide_o against the former auto): 1.057 at
       // B=8 L=1024, 1.003-1.009 at L >= 4096 (D = 128); 1.058 at B=2 L=4096 and 1.026 at B=1
-      // L=8192 (D = 256, where the epilogue fell from 9,200 to 5,450 cycles a block).
+      // L=8192 (D = 256, where the epilogue fell from 9,200 to 5,450 cycles a block). Route 15
+      // keeps the 4-byte stores too, as it was measured (its same-bits test pairs it with fixed
+      // routes, which all do).
       const bool auto_kernels = route == 0 || route == 16;
       const bool auto_like = auto_kernels || route == 15;
       a.wide_o = route == 0 ? 1 : 0;
