@@ -2,14 +2,17 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|timeline|order|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|order|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of each test process;
 # GQA_TESTS the test paths (default: tests); GQA_TEST_K a pytest -k expression; GQA_TEST_ARGS
 # more pytest arguments (split on spaces); GQA_BENCH_ARGS and GQA_PREFILL_ARGS the arguments of
 # bench_decode.py and bench_prefill.py; GQA_AB_ARGS those of ab_prefill_routes.py (the "ab"
-# step: an interleaved A/B of prefill routes), GQA_TIMELINE_ARGS those of block_timeline.py,
+# step: an interleaved A/B of prefill routes; "abbuild" runs it with --cudnn in turn in the build
+# at GQA_AB_BASE (another checkout, built there with build_ext; this checkout's script imports
+# its gqa_torch) and in this one, GQA_AB_REPEATS times each, to set two builds' ours / cuDNN side
+# by side), GQA_TIMELINE_ARGS those of block_timeline.py,
 # GQA_ORDER_SHAPES the shapes of interleave_order.py (the "order" step). scripts/gpu_pair.sh
 # runs a round on two GPUs.
 set -uo pipefail
@@ -99,6 +102,17 @@ for step in $steps; do
     ab)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 ab_prefill_routes.py ${GQA_AB_ARGS:-}) > "$OUT/ab.log" 2>&1 || status=1
       grep -E "^\||^device" "$OUT/ab.log" | tail -20 ;;
+    abbuild)
+      # A build started alongside this script's own marks its end with $GQA_AB_BASE/.built.
+      for _ in $(seq 300); do [ -e "$GQA_AB_BASE/.built" ] && break; sleep 1; done
+      for i in $(seq ${GQA_AB_REPEATS:-2}); do
+        for tree in "$GQA_AB_BASE" "$PWD"; do
+          echo "== $tree" >> "$OUT/abbuild.log"
+          (cd benchmarks && PYTHONPATH="$tree" timeout ${GQA_BENCH_TIMEOUT:-900} python3 ab_prefill_routes.py --cudnn \
+            ${GQA_AB_ARGS:-}) >> "$OUT/abbuild.log" 2>&1 || status=1
+        done
+      done
+      grep -E "^\||^==" "$OUT/abbuild.log" | grep -v "^|---" ;;
     timeline)
       # Where the prefill kernel's time goes, block by block (the per-block SM-clock stamps).
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 block_timeline.py ${GQA_TIMELINE_ARGS:-} \

@@ -108,11 +108,12 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&x)[4], int lane) {
 // One query block (work item `work`: heaviest first) of a CTA. `pipe` holds the warp-specialised
 // CTA's mbarriers and its counts of the K/V tiles and Q tiles passed so far (a persistent CTA:
 // the loader and the computing warpgroups walk the same items and skip the same ones, so their
-// counts agree); `error` is the sticky error word as read at kernel start; `seqlen` is
-// seqlens_k of the block's batch row (the caller loads it a block ahead).
+// counts agree); `error` is the sticky error word as read at kernel start; `bc` is block_coords
+// of `work` and `seqlen` seqlens_k of its batch row (the caller works both out a block ahead).
 template <typename T, class C, bool kSplit, Role kRole>
 __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* const smem, Pipeline& pipe,
-                                              const uint32_t error, const int work, const int seqlen) {
+                                              const uint32_t error, const int work, const BlockCoords bc,
+                                              const int seqlen) {
   using H = Half<T>;
   using WT = WarpTile<T, C>;
   constexpr int D = C::D, BN = C::BN, MT = C::MT, RB = C::kRowBytes, CH = C::kChunks;
@@ -122,7 +123,6 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   const Params& p = a.p;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  const BlockCoords bc = block_coords(a, work);
   const int kvh = bc.kvh, b = bc.b;
   const int G = p.group_size;
   const int nrows = p.query_len * G;
@@ -185,11 +185,17 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   // The owner of key tile j of a new row: the query block holding its first token's first
   // packed row (j * SK * G in [m0, m0 + BM)). It visits the tile (every row sees its own
   // position), and each tile has one. This block owns tiles [own_lo, own_hi).
+  // So [own_lo, own_hi) = [ceil(m0 / (SK G)), ceil((m0 + BM) / (SK G))), taken as
+  // ceil(ceil(n / G) / SK). The upper end is clamped to nrows (no int overflow): a new row has no
+  // padding (total == S), so no tile starts at or past packed row nrows.
   int own_lo = 0, own_hi = 0;
   if (row_new) {
-    const int64_t per = static_cast<int64_t>(C::kStageKeys) * G;  // packed rows a tile's tokens hold
-    own_lo = static_cast<int>((m0 + per - 1) / per);
-    own_hi = static_cast<int>((static_cast<int64_t>(m0) + C::BM + per - 1) / per);
+    auto tiles_before = [&](int n) {  // ceil(n / (SK G)) for n >= 0
+      const int tokens = n > 0 ? a.div_g.divide(n - 1) + 1 : 0;
+      return (tokens + C::kStageKeys - 1) / C::kStageKeys;
+    };
+    own_lo = tiles_before(m0);
+    own_hi = tiles_before(min(m0 + C::BM, nrows));
   }
   auto owns_tile = [&](int tile) { return tile >= own_lo && tile < own_hi; };
   // Whether whole tiles (below the row's total) come by TMA: through the caches' maps, or the
@@ -246,8 +252,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   // ---- key range of this CTA -----------------------------------------------------------------
   const int W = p.local_window;
   const int r_last = min(m0 + C::BM, valid_rows) - 1;
-  const int pos_min = geo.query_start + m0 / G;
-  const int pos_max = geo.query_start + r_last / G;
+  const int pos_min = geo.query_start + a.div_g.divide(m0);
+  const int pos_max = geo.query_start + a.div_g.divide(r_last);
   const int key_lo = W > 0 ? max(0, pos_min - W + 1) : 0;
   const int key_hi = min(total, pos_max + 1);
   constexpr int SK = C::kStageKeys;
@@ -255,7 +261,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   int t_end = (key_hi + SK - 1) / SK;  // t_end - t_first >= 1: every valid row sees its own position
   // This row's partial of split `blockIdx.y` (split-K): index into [B, S, Hq, splits].
   auto partial_row = [&](int r) -> int64_t {
-    const int s = r / G, h = kvh * G + (r - s * G);
+    const int s = a.div_g.divide(r), h = kvh * G + (r - s * G);
     return ((static_cast<int64_t>(b) * p.query_len + s) * p.q_heads + h) * a.splits + blockIdx.y;
   };
   if constexpr (split_k) {  // this CTA takes part blockIdx.y of the query block's tiles
@@ -299,7 +305,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       const bool ok = col_ok && r < valid_rows;
       const T* src = qg;
       if (ok) {
-        const int tok = r / G, h = kvh * G + (r - tok * G);
+        const int tok = a.div_g.divide(r), h = kvh * G + (r - tok * G);
         src = qg + static_cast<int64_t>(tok) * qs.token + static_cast<int64_t>(h) * qs.head + c * 8;
       }
       cp_async16(dst + q_block_off(row, c), src, ok ? 16u : 0u);
@@ -348,9 +354,9 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
             for (int cb = 0; cb < D / 64; ++cb)
               if (a.l2_hints)
                 detail::tma_load_4d_hint(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G,
-                                         (m0 + wgt * 64) / G, b, q_full, detail::l2_policy<detail::L2Evict::kFirst>());
+                                         a.div_g.divide(m0 + wgt * 64), b, q_full, detail::l2_policy<detail::L2Evict::kFirst>());
               else
-                wg::tma_load_4d(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G, (m0 + wgt * 64) / G,
+                wg::tma_load_4d(dst + wgt * 64 * RB + cb * 64 * 128, &a.q_map, cb * 64, kvh * G, a.div_g.divide(m0 + wgt * 64),
                                 b, q_full);
           }
         } else {
@@ -464,7 +470,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
     for (int i = 0; i < NR; ++i) {
       const int r = wrow0 + (i >> 1) * 16 + (lane >> 2) + (i & 1) * 8;
       if (r < valid_rows) {
-        const int pos = geo.query_start + r / G;
+        const int pos = geo.query_start + a.div_g.divide(r);
         w.row_hi[i] = min(pos + 1, total);
         w.row_lo[i] = W > 0 ? pos - W + 1 : 0;
       } else {  // padding / past the end: every key masked, the output row is discarded
@@ -800,7 +806,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       if (has_sink || smooth) {
         const float mt2 = w.m_ref[i] * a.k2;  // -inf when the row saw no key
         float z = -INFINITY;
-        if (has_sink && r < nrows) z = p.head_sink[kvh * G + r % G] * kLog2e;
+        if (has_sink && r < nrows) z = p.head_sink[kvh * G + a.div_g.remainder(r, a.div_g.divide(r))] * kLog2e;
         float top = mt2;
         if (has_sink) top = fmaxf(top, z);
         if (smooth) top = fmaxf(top, 0.f);
@@ -842,7 +848,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 #pragma unroll
             for (int k = 0; k < DT / 4; ++k) quad_transpose(words[k], lane);
             if (r >= nrows) continue;
-            const int s = r / G, h = kvh * G + (r - s * G);
+            const int s = a.div_g.divide(r), h = kvh * G + (r - s * G);
             T* const row_out = out + static_cast<int64_t>(s) * p.output_strides.token +
                                static_cast<int64_t>(h) * p.output_strides.head + (lane & 3) * 8;
 #pragma unroll
@@ -863,7 +869,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         for (int hh = 0; hh < 2; ++hh) {
           const int r = wrow0 + mt * 16 + (lane >> 2) + hh * 8;
           if (r >= nrows) continue;
-          const int s = r / G, h = kvh * G + (r - s * G);
+          const int s = a.div_g.divide(r), h = kvh * G + (r - s * G);
           uint32_t* const row_out = reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(s) * p.output_strides.token +
                                                                 static_cast<int64_t>(h) * p.output_strides.head) +
                                     (lane & 3);  // row_out[d * 4]: columns d * 8 + (lane & 3) * 2, + 1
@@ -912,7 +918,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
         const int row = i / CH, c = i % CH;
         const int r = wrow0 + row;
         if (r >= nrows || c * 8 >= p.head_dim) continue;
-        const int s = r / G, h = kvh * G + (r - s * G);
+        const int s = a.div_g.divide(r), h = kvh * G + (r - s * G);
         uint4 v = make_uint4(0u, 0u, 0u, 0u);  // first-prompt padding rows are exactly 0
         if (r < valid_rows) v = *reinterpret_cast<const uint4*>(q_smem + q_off(row, c));
         *reinterpret_cast<uint4*>(out + static_cast<int64_t>(s) * p.output_strides.token +
@@ -942,8 +948,8 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     const int slot = block_of_round(r);
     if (a.group_slots == 0) return slot < a.num_work ? slot : INT_MAX;
     if (slot >= a.num_slots) return INT_MAX;
-    const int group = slot / a.group_slots;
-    const int local = slot - group * a.group_slots;
+    const int group = a.div_group_slots.divide(slot);
+    const int local = a.div_group_slots.remainder(slot, group);
     const int group_work = a.pairs_per_group * a.num_mblocks;
     const int first = group * group_work;
     return local < min(group_work, a.num_work - first) ? first + local : -1;
@@ -955,13 +961,16 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
   };
   int r = 0;
   int work = next_work(r);
-  int seqlen = work != INT_MAX ? a.p.seqlens_k[block_coords(a, work).b] : 0;
+  BlockCoords bc = work != INT_MAX ? block_coords(a, work) : BlockCoords{};
+  int seqlen = work != INT_MAX ? a.p.seqlens_k[bc.b] : 0;
   while (work != INT_MAX) {
     ++r;
     const int next = next_work(r);
-    const int next_seqlen = next != INT_MAX ? a.p.seqlens_k[block_coords(a, next).b] : 0;
-    prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, seqlen);
+    const BlockCoords next_bc = next != INT_MAX ? block_coords(a, next) : BlockCoords{};
+    const int next_seqlen = next != INT_MAX ? a.p.seqlens_k[next_bc.b] : 0;
+    prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, bc, seqlen);
     work = next;
+    bc = next_bc;
     seqlen = next_seqlen;
   }
 }
@@ -1020,7 +1029,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     if (a.append_new && threadIdx.x == 0) detail::bulk_wait_all();
   } else {
     const int work = static_cast<int>(blockIdx.x);
-    prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, a.p.seqlens_k[block_coords(a, work).b]);
+    const BlockCoords bc = block_coords(a, work);
+    prefill_block<T, C, kSplit, Role::kAll>(a, smem, pipe, error, work, bc, a.p.seqlens_k[bc.b]);
   }
 }
 
@@ -1202,6 +1212,13 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
       throw std::runtime_error(std::string("gqa prefill_mma: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
     configured.fetch_or(bit, std::memory_order_relaxed);
   }
+  a.div_g = make_fast_divisor(p.group_size);
+  a.div_kv_heads = make_fast_divisor(p.kv_heads);
+  a.div_group_work = make_fast_divisor(a.pairs_per_group * a.num_mblocks);  // <= num_work
+  a.div_in_group = make_fast_divisor(a.pairs_per_group);
+  a.div_last_in_group = make_fast_divisor(pairs - (pairs - 1) / a.pairs_per_group * a.pairs_per_group);
+  a.div_group_slots = make_fast_divisor(a.group_slots > 0 ? a.group_slots : 1);
+
   const dim3 blocks(static_cast<unsigned>(ctas), static_cast<unsigned>(a.splits));  // y: key-range splits
   kernel<<<blocks, C::kThreads, C::kSmemBytes, stream>>>(a);
   err = cudaGetLastError();

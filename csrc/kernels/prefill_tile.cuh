@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../core/fast_div.h"
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -161,6 +162,10 @@ struct Args {
   int32_t align_groups;
   int32_t group_slots;
   int32_t num_slots;
+  // The divisors of the walk and of a block's rows (set by launch_config): the group size, the
+  // KV heads, a group's query blocks (pairs_per_group * num_mblocks), its pairs (all groups but
+  // a partial last one, and that one) and group_slots (1 when 0).
+  FastDivisor div_g, div_kv_heads, div_group_work, div_in_group, div_last_in_group, div_group_slots;
   // O from registers (C::kEarlyQRelease) in 16-byte stores: the lanes of a quad swap words so
   // that each stores a whole 8-column chunk (auto); 0: one 4-byte store a word, each quad
   // writing half a 32-byte sector (the fixed routes, and route 16 as auto's A/B baseline).
@@ -289,12 +294,14 @@ struct BlockCoords {
 // comes before the next group, and within a group one query block of each pair at a time.
 __device__ __forceinline__ BlockCoords block_coords(const Args& a, int work) {
   const int pairs = a.p.kv_heads * a.p.batch;
-  const int group_first = work / (a.pairs_per_group * a.num_mblocks) * a.pairs_per_group;
-  const int in_group = min(a.pairs_per_group, pairs - group_first);
+  const int group_first = a.div_group_work.divide(work) * a.pairs_per_group;
+  const bool partial = pairs - group_first < a.pairs_per_group;  // the last group, short
+  const FastDivisor in_group = partial ? a.div_last_in_group : a.div_in_group;
   const int rest = work - group_first * a.num_mblocks;
-  const int wave = rest / in_group;
-  const int pair = group_first + rest - wave * in_group;
-  return {a.num_mblocks - 1 - wave, pair % a.p.kv_heads, pair / a.p.kv_heads};
+  const int wave = in_group.divide(rest);
+  const int pair = group_first + in_group.remainder(rest, wave);
+  const int b = a.div_kv_heads.divide(pair);
+  return {a.num_mblocks - 1 - wave, a.div_kv_heads.remainder(pair, b), b};
 }
 
 // The warp-specialised CTA's mbarriers: K/V stages (full: landed; empty: every computing thread

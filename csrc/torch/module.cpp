@@ -2,7 +2,11 @@
 // functions here are the few things Python needs that are not operators.
 #include <torch/extension.h>
 
+#include <stdexcept>
+#include <vector>
+
 #include "../core/errors.h"
+#include "../core/fast_div.h"
 #include "backend.h"
 
 PYBIND11_MODULE(_C, m) {
@@ -33,6 +37,18 @@ PYBIND11_MODULE(_C, m) {
         "(the merge kernel always) or \"cluster\" (a cluster wherever one can run).");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
+  m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
+    if (divisor <= 0) throw std::invalid_argument("_fast_divide: the divisor must be positive");
+    const gqa::FastDivisor f = gqa::make_fast_divisor(divisor);
+    std::vector<int32_t> quotients;
+    quotients.reserve(numerators.size());
+    for (int32_t n : numerators) {
+      if (n < 0) throw std::invalid_argument("_fast_divide: numerators must be non-negative");
+      quotients.push_back(f.divide(n));
+    }
+    return quotients;
+  }, pybind11::arg("numerators"), pybind11::arg("divisor"),
+        "Tests: the prefill kernels' division by a launch-invariant divisor (core/fast_div.h), on the host.");
   m.def("error_flag_messages", []() {
     std::vector<std::string> messages;
     for (int bit = 0; bit < gqa::kNumErrorFlags; ++bit) messages.emplace_back(gqa::error_flag_message(bit));
