@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A GPU round on a two-GPU machine (the device tool's nvidia-h200-x2 costs the same device time
 # as one GPU): build once, then at the same time
-#   GPU 1: the tests (GQA_TEST_K, a pytest -k expression over GQA_TESTS), in two processes split
-#          by GQA_TEST_SPLIT (a -k term: its matches, then the rest);
+#   GPU 1: the tests (GQA_TEST_K, a pytest -k expression over GQA_TESTS), in processes split by
+#          GQA_TEST_SPLIT (-k terms separated by ';': each one's matches, then the rest);
 #   GPU 0: the gpu_check.sh steps in GQA_GPU0_STEPS (benchmarks: default "prefill"), then the
 #          sanitizer tools in GQA_SANITIZE_TOOLS at once over GQA_SANITIZE_K.
 # Every process gets a share of the CPU threads. All must end by GQA_DEADLINE seconds from the
@@ -25,12 +25,17 @@ GQA_LOG_DIR=$L/g1 GQA_NESTED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} bash scripts/gpu_c
 echo "built at $(( $(date +%s) - t0 )) s"
 
 k=${GQA_TEST_K:-prefill}
+# GQA_TEST_SPLIT: -k terms separated by ';', one process each, and one for the rest.
 split=${GQA_TEST_SPLIT:-parity_grid}
-pids=()
-for part in "$split" "not $split"; do
+IFS=';' read -r -a terms <<< "$split"
+parts=("${terms[@]}")
+rest=$(printf ' or (%s)' "${terms[@]}"); parts+=("not (${rest# or })")
+pids=(); i=0
+for part in "${parts[@]}"; do
+  i=$((i + 1)); echo "-k ($k) and ($part)" > "$L/g1/tests_$i.log"
   CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=$threads timeout "$(left)" python3 -m pytest ${GQA_TESTS:-tests/test_cuda.py} -q -ra \
     -p no:cacheprovider -o faulthandler_timeout=100 --durations=10 -k "($k) and ($part)" \
-    > "$L/g1/tests_${part// /_}.log" 2>&1 &
+    >> "$L/g1/tests_$i.log" 2>&1 &
   pids+=($!)
 done
 

@@ -370,7 +370,7 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
       wg::generic_to_async_proxy();  // for wgmma, as with the cp.async K/V tiles
       wg::mbarrier_arrive(smem_addr(&pipe.q_full[q_buffer]));
     };
-    const int q_at = C::kQBuffers > 1 ? 0 : min(C::kEarlyQRelease ? 1 : C::kStages, n_tiles);
+    const int q_at = C::kQBuffers > 1 ? 0 : min(C::kEarlyQRelease ? (a.q_first ? 0 : 1) : C::kStages, n_tiles);
     // A cp.async tile is announced one tile late: each loader waits for its own copies, makes
     // them visible to the async proxy (wgmma) and only then arrives, so that the writer
     // fences, as the memory model asks; meanwhile the next tile is already in flight.
@@ -1245,7 +1245,7 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // (Args::pingpong, as auto at 256); 15 auto's kernels with one instantiation of their step
 // (Config::kOneStep, as auto at 64 and at 128 below 2048 tokens; at 128 at every length, at
 // 256 too); 16 auto with O stored from registers in 4-byte words (auto: 16-byte chunks,
-// Args::wide_o).
+// Args::wide_o); 17 auto with each block's Q staged before its first K/V tile (Args::q_first).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1313,9 +1313,10 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // L=8192 (D = 256, where the epilogue fell from 9,200 to 5,450 cycles a block). Route 15
       // keeps the 4-byte stores too, as it was measured (its same-bits test pairs it with fixed
       // routes, which all do).
-      const bool auto_kernels = route == 0 || route == 16;
+      const bool auto_kernels = route == 0 || route == 16 || route == 17;
       const bool auto_like = auto_kernels || route == 15;
-      a.wide_o = route == 0 ? 1 : 0;
+      a.wide_o = route == 0 || route == 17 ? 1 : 0;
+      a.q_first = route == 17 ? 1 : 0;
       a.l2_hints = (auto_like && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
       // (Args::pairs_per_group): routes 12 and 13, and auto at 128 once the K/V of all pairs

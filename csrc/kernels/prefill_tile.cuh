@@ -170,6 +170,10 @@ struct Args {
   // that each stores a whole 8-column chunk (auto); 0: one 4-byte store a word, each quad
   // writing half a 32-byte sector (the fixed routes, and route 16 as auto's A/B baseline).
   int32_t wide_o;
+  // One Q buffer (C::kEarlyQRelease) only: the loader stages a block's Q before its first K/V
+  // tile (route 17, x_q_first) instead of after it (auto), so that Q is not queued behind that
+  // tile's copies; either way it first waits for the previous block's last S.
+  int32_t q_first;
   // Diagnostics (set_prefill_timeline; nullptr: off): the warp-specialised kernels' computing
   // warpgroups stamp each query block into records of kTimelineFields 64-bit words, record
   // work * 4 + warpgroup, up to timeline_records of them (block_timeline.py reads them).
