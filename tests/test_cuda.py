@@ -202,7 +202,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
                   "wgmma_ws_kv", "wgmma_ws_kv_pipe", "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3",
-                  "x_head_groups", "x_group_rounds", "x_plain_pp", "x_one_step", "x_narrow_o", "x_q_first"]
+                  "x_head_groups", "x_group_rounds", "x_plain_pp", "x_one_step", "x_narrow_o", "x_q_first", "x_static_walk"]
 
 
 @pytest.fixture(params=PREFILL_ROUTES)
@@ -328,7 +328,8 @@ def test_cuda_prefill_head_groups(dtype, route, head_dim, seq, kv_heads, plain_r
 @pytest.mark.parametrize("feature", ["plain", "softcap", "window", "smooth_sink"])
 @pytest.mark.parametrize("route,d,other_route", [
     ("x_one_step", 64, "wgmma_ws3"), ("x_one_step", 128, "wgmma_ws_kv_pipe3"), ("x_one_step", 256, "wgmma_ws_bn80"),
-    ("auto", 128, "x_narrow_o"), ("auto", 256, "x_narrow_o"), ("x_q_first", 128, "auto"), ("x_q_first", 256, "auto")])
+    ("auto", 128, "x_narrow_o"), ("auto", 256, "x_narrow_o"), ("x_q_first", 128, "auto"), ("x_q_first", 256, "auto"),
+    ("auto", 64, "x_static_walk"), ("auto", 128, "x_static_walk"), ("auto", 256, "x_static_walk")])
 def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, other_route):
     """Pairs of routes whose arithmetic is the same, so the output and the appended caches must
     be the same bits under `route` as under `other_route` (each held to the reference by the
@@ -339,7 +340,9 @@ def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, other_route
     - auto stores O from registers (its kernels at 128 and 256) in 16-byte chunks after the
       quads swap words (Args::wide_o), x_narrow_o in 4-byte words (each quad half a sector);
     - x_q_first is auto with each block's Q staged before its first K/V tile (Args::q_first: the
-      loader's order alone).
+      loader's order alone);
+    - auto takes its query blocks from a counter (Args::dynamic_walk), x_static_walk in fixed
+      rounds: the same blocks, computed alike, on other SMs.
     Row 0 has a past of 100 keys (the first tiles cross the past's end), row 1 none; the caches
     start as NaN past the rows' pasts and the output's block is freed full of NaN, so an
     unwritten element shows."""

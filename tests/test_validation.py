@@ -612,7 +612,7 @@ def test_tuning_switches_name_what_they_expect():
     names the switch and the accepted values."""
     with pytest.raises(ValueError, match=r'gqa: prefill route: expected .*auto.*mma.*wgmma.*, got "nope"'):
         gqa_torch._C._set_prefill_route("nope")
-    with pytest.raises(ValueError, match=r'expected one of .*wgmma_ws_kv_pipe, wgmma_ws_bn80, wgmma_ws_kv_pipe_pp, wgmma_ws_kv_pipe3, x_head_groups, x_group_rounds, x_plain_pp, x_one_step, x_narrow_o, x_q_first, got ""'):
+    with pytest.raises(ValueError, match=r'expected one of .*wgmma_ws_kv_pipe, wgmma_ws_bn80, wgmma_ws_kv_pipe_pp, wgmma_ws_kv_pipe3, x_head_groups, x_group_rounds, x_plain_pp, x_one_step, x_narrow_o, x_q_first, x_static_walk, got ""'):
         gqa_torch._C._set_prefill_route("")
     gqa_torch._C._set_prefill_route("wgmma_ws_bn80")
     gqa_torch._C._set_prefill_route("auto")

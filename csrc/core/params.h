@@ -65,6 +65,9 @@ struct Params {
   const float* head_sink = nullptr;       // [Hq] or null
 
   uint32_t* error_word = nullptr;         // CUDA only: the sticky per-device flags
+  // CUDA prefill only: the query-block counter of the warp-specialised kernels' dynamic walk,
+  // in the call's workspace (WorkspaceLayout::work_counter); prep zeroes it.
+  int32_t* work_counter = nullptr;
 };
 
 inline int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }

@@ -60,7 +60,8 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
 }
 
 void layout_workspace(Plan& plan, const Params& p) {
-  // Count, then carve. Only split-K (decode, or prefill of a short chunk) needs scratch.
+  // Count, then carve. Split-K (decode, or prefill of a short chunk) needs the partials, and
+  // prefill its kernels' query-block counter.
   plan.workspace = WorkspaceLayout{};
   size_t offset = 0;
   if (plan.max_splits > 1) {
@@ -69,6 +70,10 @@ void layout_workspace(Plan& plan, const Params& p) {
     offset += align_workspace(sizeof(float) * heads * p.head_dim);
     plan.workspace.partial_lse = offset;
     offset += align_workspace(sizeof(float) * heads);
+  }
+  if (plan.route == Route::kPrefill) {
+    plan.workspace.work_counter = offset;
+    offset += align_workspace(sizeof(int32_t));
   }
   plan.workspace.total_bytes = offset;
 }

@@ -24,6 +24,7 @@ enum class Route : int32_t {
 struct WorkspaceLayout {
   size_t partial_out = 0;     // float [B, S, Hq, max_splits, D]   (split-K only)
   size_t partial_lse = 0;     // float [B, S, Hq, max_splits]      (split-K only)
+  size_t work_counter = 0;    // int32, prefill only: Params::work_counter
   size_t total_bytes = 0;
 };
 

@@ -42,7 +42,8 @@ bool tensor_core_path(const Params& p) {
 
 }  // namespace
 
-void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr) {
+void launch(const Params& params, const Plan& plan, void* workspace, void* stream_ptr) {
+  Params p = params;  // (prefill: with its work counter)
   if (p.batch <= 0 || p.query_len <= 0 || p.q_heads <= 0) return;
   if (p.batch > 65535) throw std::runtime_error("gqa: the CUDA kernels support at most 65535 batch rows");
   if (p.error_word == nullptr) throw std::runtime_error("gqa: internal error: no error word");
@@ -73,7 +74,10 @@ void launch(const Params& p, const Plan& plan, void* workspace, void* stream_ptr
     return;
   }
 
-  // Prefill. Every prep CTA checks every row (so a bad row anywhere stops all cache writes);
+  // Prefill. prep zeroes the counter of the warp-specialised kernels' dynamic walk.
+  if (ws != nullptr && plan.workspace.total_bytes >= plan.workspace.work_counter + sizeof(int32_t))
+    p.work_counter = reinterpret_cast<int32_t*>(ws + plan.workspace.work_counter);
+  // Every prep CTA checks every row (so a bad row anywhere stops all cache writes);
   // with many explicit positions they are checked once, per row, in a small launch before it.
   const bool separate_check =
       p.do_rotary && p.position_ids != nullptr && static_cast<int64_t>(p.batch) * p.query_len > 2048;

@@ -109,7 +109,7 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&x)[4], int lane) {
 // CTA's mbarriers and its counts of the K/V tiles and Q tiles passed so far (a persistent CTA:
 // the loader and the computing warpgroups walk the same items and skip the same ones, so their
 // counts agree); `error` is the sticky error word as read at kernel start; `bc` is block_coords
-// of `work` and `seqlen` seqlens_k of its batch row (the caller works both out a block ahead).
+// of `work` and `seqlen` seqlens_k of its batch row.
 template <typename T, class C, bool kSplit, Role kRole>
 __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* const smem, Pipeline& pipe,
                                               const uint32_t error, const int work, const BlockCoords bc,
@@ -931,9 +931,19 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
   }
 }
 
-// A warp-specialised CTA's walk over its query blocks (one role's side of it), with the next
-// block's seqlens_k already in flight. A function, not a lambda in the kernel: ptxas once left
-// such a lambda out of line (fp16, route 8), which serialised every wgmma across the call.
+// A warp-specialised CTA's walk over its query blocks (one role's side of it). The loader picks
+// each next block and hands it, with its seqlens_k, to every thread of the CTA
+// through the Pipeline's two walk slots: item n of the CTA goes through slot n % 2, whose full
+// barrier the picking lane arrives on and whose empty barrier every thread arrives on once it
+// has read the item. So the loader is at most two items ahead of the computing warpgroups, and
+// they read seqlens_k from shared memory: each warp loading it for itself a block ahead did
+// not hide the load (ptxas moved the value to a uniform register right after it, R2UR waiting
+// for the data, in every block's walk). The picking: with Args::dynamic_walk the next slot of
+// the schedule from the counter (prep zeroes it), so that CTAs that run faster take more
+// blocks; else round r of the CTA is slot r * gridDim.x + c, or gridDim.x - 1 - c in odd
+// rounds (the blocks come heaviest first, and the snake keeps CTA 0 from taking the heaviest
+// block of every round). A function, not a lambda in the kernel: ptxas once left such a lambda
+// out of line (fp16, route 8), which serialised every wgmma across the call.
 template <typename T, class C, bool kSplit, Role kRole>
 __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const smem, Pipeline& pipe,
                                             const uint32_t error) {
@@ -942,10 +952,9 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     if (!a.persistent) return r == 0 ? c : INT_MAX;
     return r * g + (r & 1 ? g - 1 - c : c);
   };
-  // The work item of round r's slot: INT_MAX past the last slot, -1 for an empty slot of a
-  // group's last round (Args::group_slots).
-  auto work_of_round = [&](int r) {
-    const int slot = block_of_round(r);
+  // The work item of schedule slot `slot`: INT_MAX past the last slot, -1 for an empty slot of
+  // a group's last round (Args::group_slots).
+  auto work_of_slot = [&](int slot) {
     if (a.group_slots == 0) return slot < a.num_work ? slot : INT_MAX;
     if (slot >= a.num_slots) return INT_MAX;
     const int group = a.div_group_slots.divide(slot);
@@ -954,34 +963,46 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     const int first = group * group_work;
     return local < min(group_work, a.num_work - first) ? first + local : -1;
   };
-  auto next_work = [&](int& r) {
-    int work = work_of_round(r);
-    while (work < 0) work = work_of_round(++r);
-    return work;
-  };
-  int r = 0;
-  int work = next_work(r);
-  BlockCoords bc = work != INT_MAX ? block_coords(a, work) : BlockCoords{};
-  int seqlen = work != INT_MAX ? a.p.seqlens_k[bc.b] : 0;
-  while (work != INT_MAX) {
-    ++r;
-    const int next = next_work(r);
-    const BlockCoords next_bc = next != INT_MAX ? block_coords(a, next) : BlockCoords{};
-    const int next_seqlen = next != INT_MAX ? a.p.seqlens_k[next_bc.b] : 0;
-    prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, work, bc, seqlen);
-    work = next;
-    bc = next_bc;
-    seqlen = next_seqlen;
+  // The loader's first warp picks (a warp-uniform branch, so that its counters stay in uniform
+  // registers: with one thread picking, ptxas spilled the loader's 40 registers); lane 0 takes
+  // the counter's slots and publishes.
+  const bool picker = kRole == Role::kLoader && (threadIdx.x >> 5) == C::kConsumerThreads / 32;
+  const bool lane0 = (threadIdx.x & 31) == 0;
+  int round = 0;  // the picker's, in the static walk
+  for (int n = 0;; ++n) {
+    const int k = n & 1;
+    if (picker) {
+      if (n >= 2) wg::mbarrier_wait(smem_addr(&pipe.walk_empty[k]), ((n >> 1) - 1) & 1);
+      int work;
+      do {
+        int slot = 0;
+        if (a.dynamic_walk) {
+          if (lane0) slot = atomicAdd(a.p.work_counter, 1);
+          slot = __shfl_sync(0xffffffffu, slot, 0);
+        } else {
+          slot = block_of_round(round++);
+        }
+        work = work_of_slot(slot);
+      } while (work < 0);
+      if (lane0) {
+        const int seqlen = work != INT_MAX ? a.p.seqlens_k[block_coords(a, work).b] : 0;
+        pipe.walk_slot[k] = make_int2(work, seqlen);
+        wg::mbarrier_arrive(smem_addr(&pipe.walk_full[k]));
+      }
+    }
+    wg::mbarrier_wait(smem_addr(&pipe.walk_full[k]), (n >> 1) & 1);
+    const int2 item = pipe.walk_slot[k];
+    wg::mbarrier_arrive(smem_addr(&pipe.walk_empty[k]));
+    if (item.x == INT_MAX) return;
+    prefill_block<T, C, kSplit, kRole>(a, smem, pipe, error, item.x, block_coords(a, item.x), item.y);
   }
 }
 
 // kSplit: the split-K form (a.splits > 1, partials for the merge), a separate instantiation so
 // that the plain kernel keeps its registers. A CTA takes one query block (blockIdx.x), or with
-// warp specialisation and a.persistent, one per round: round r of CTA c is block r * gridDim.x
-// + c, or gridDim.x - 1 - c in odd rounds (the blocks come heaviest first, and the snake keeps
-// CTA 0 from taking the heaviest block of every round), so that the loader streams the next
-// block's K/V while the computing warpgroups finish the current one and no CTA pays a launch and
-// its barrier set-up per block.
+// warp specialisation and a.persistent, one after another (walk_blocks), so that the loader
+// streams the next block's K/V while the computing warpgroups finish the current one and no CTA
+// pays a launch and its barrier set-up per block.
 template <typename T, class C, bool kSplit>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     prefill_mma_kernel(const __grid_constant__ Args a) {
@@ -992,7 +1013,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   __shared__ uint32_t s_error;
   // WS only: the K/V stage and Q tile mbarriers.
   __shared__ __align__(8) uint64_t s_full[C::kStages], s_empty[C::kStages], q_full[C::kQBuffers],
-      q_empty[C::kQBuffers], v_full[C::kSplitKV ? C::kStages : 1], v_empty[C::kSplitKV ? C::kStages : 1];
+      q_empty[C::kQBuffers], v_full[C::kSplitKV ? C::kStages : 1], v_empty[C::kSplitKV ? C::kStages : 1],
+      walk_full[2], walk_empty[2];
+  __shared__ int2 walk_slot[2];
   if (threadIdx.x == 0) {
     const uint32_t* const word = a.p.error_word;
     s_error = word != nullptr ? *reinterpret_cast<const volatile uint32_t*>(word) : 0u;
@@ -1009,11 +1032,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         wg::mbarrier_init(smem_addr(&q_full[s]), C::kLoaderThreads);
         wg::mbarrier_init(smem_addr(&q_empty[s]), C::kConsumerThreads);
       }
+      for (int s = 0; s < 2; ++s) {
+        wg::mbarrier_init(smem_addr(&walk_full[s]), 1);
+        wg::mbarrier_init(smem_addr(&walk_empty[s]), C::kThreads);
+      }
     }
   }
   __syncthreads();
   const uint32_t error = s_error;
   Pipeline pipe{s_full, s_empty, q_full, q_empty, v_full, v_empty};
+  pipe.walk_full = walk_full;
+  pipe.walk_empty = walk_empty;
+  pipe.walk_slot = walk_slot;
   if constexpr (C::kWarpSpecialized) {
     if (threadIdx.x >= C::kConsumerThreads) {  // the loader warpgroup
       wg::release_registers<C::kLoaderRegs>();
@@ -1184,6 +1214,7 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
     if (sms > 0 && ctas > sms) ctas = sms;
     a.persistent = 1;
   }
+  if (!a.persistent || a.p.work_counter == nullptr) a.dynamic_walk = 0;
   a.group_slots = 0;
   a.num_slots = a.num_work;
   if (a.persistent && a.align_groups && a.pairs_per_group < pairs) {
@@ -1245,7 +1276,9 @@ bool launch_config(Args& a, cudaStream_t stream, bool persistent = false) {
 // (Args::pingpong, as auto at 256); 15 auto's kernels with one instantiation of their step
 // (Config::kOneStep, as auto at 64 and at 128 below 2048 tokens; at 128 at every length, at
 // 256 too); 16 auto with O stored from registers in 4-byte words (auto: 16-byte chunks,
-// Args::wide_o); 17 auto with each block's Q staged before its first K/V tile (Args::q_first).
+// Args::wide_o); 17 auto with each block's Q staged before its first K/V tile (Args::q_first);
+// 18 auto with the static walk over the query blocks (auto: the dynamic walk,
+// Args::dynamic_walk).
 // The warp-specialised configs: TMA maps in boxes of the config's stage keys.
 template <typename T, class C>
 bool launch_ws(Args& a, cudaStream_t stream, int route) {
@@ -1313,10 +1346,13 @@ bool launch_default(Args& a, int dpad, cudaStream_t stream) {
       // L=8192 (D = 256, where the epilogue fell from 9,200 to 5,450 cycles a block). Route 15
       // keeps the 4-byte stores too, as it was measured (its same-bits test pairs it with fixed
       // routes, which all do).
-      const bool auto_kernels = route == 0 || route == 16 || route == 17;
+      const bool auto_kernels = route == 0 || route == 16 || route == 17 || route == 18;
       const bool auto_like = auto_kernels || route == 15;
-      a.wide_o = route == 0 || route == 17 ? 1 : 0;
+      a.wide_o = route == 0 || route == 17 || route == 18 ? 1 : 0;
       a.q_first = route == 17 ? 1 : 0;
+      // The dynamic walk (Args::dynamic_walk) for auto and the routes that vary it; route 18
+      // (x_static_walk) is auto with the static walk, the A/B baseline.
+      a.dynamic_walk = auto_like && route != 18 ? 1 : 0;
       a.l2_hints = (auto_like && dpad == 128) || experimental ? 1 : 0;
       // The (row, kv head) pairs in groups whose K/V take at most 32 MB of the 50 MB L2
       // (Args::pairs_per_group): routes 12 and 13, and auto at 128 once the K/V of all pairs

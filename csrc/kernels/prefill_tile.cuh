@@ -174,6 +174,11 @@ struct Args {
   // tile (route 17, x_q_first) instead of after it (auto), so that Q is not queued behind that
   // tile's copies; either way it first waits for the previous block's last S.
   int32_t q_first;
+  // Persistent warp-specialised kernels (auto): the loader takes each next query block from
+  // p.work_counter (prep zeroes it) and hands it to the computing warpgroups (Pipeline's walk
+  // slots), so that CTAs that run faster take more blocks; 0: the static walk (every CTA its
+  // fixed rounds; the fixed routes, and route 18 as auto's A/B baseline).
+  int32_t dynamic_walk;
   // Diagnostics (set_prefill_timeline; nullptr: off): the warp-specialised kernels' computing
   // warpgroups stamp each query block into records of kTimelineFields 64-bit words, record
   // work * 4 + warpgroup, up to timeline_records of them (block_timeline.py reads them).
@@ -320,6 +325,12 @@ struct Pipeline {
   uint64_t* v_empty;
   int ring = 0;    // K/V tiles so far
   int q_ring = 0;  // Q tiles so far
+  // The dynamic walk's hand-off (Args::dynamic_walk): two slots of (work item, its seqlens_k),
+  // each with a full barrier (the loader's fetching thread arrives) and an empty one (every
+  // thread of the CTA arrives once it has read the slot).
+  uint64_t* walk_full = nullptr;
+  uint64_t* walk_empty = nullptr;
+  int2* walk_slot = nullptr;
 };
 
 // Per-warp register state and the three steps of one K/V tile: S = Q K^T, softmax -> P,

@@ -123,6 +123,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
   pdl_launch_dependents();
   const int b = blockIdx.y;
   const int lane = threadIdx.x & 31;
+  if (p.work_counter != nullptr && b == 0 && blockIdx.x == 0 && threadIdx.x == 0) *p.work_counter = 0;
   const int warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
 

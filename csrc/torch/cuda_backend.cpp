@@ -46,7 +46,8 @@ void set_prefill_route(const std::string& route) {
   static const char* const kRoutes[] = {"auto",      "mma",        "wgmma",           "wgmma_ws", "wgmma_ws_cpasync",
                                         "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv", "wgmma_ws_kv_pipe",
                                         "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups", "x_group_rounds",
-                                        "x_plain_pp", "x_one_step", "x_narrow_o", "x_q_first"};
+                                        "x_plain_pp", "x_one_step", "x_narrow_o", "x_q_first",
+                                        "x_static_walk"};
   const int code = switch_code(kRoutes, route, "prefill route");
   (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA
