@@ -932,8 +932,8 @@ __device__ __forceinline__ void prefill_block(const Args& a, unsigned char* cons
 }
 
 // A warp-specialised CTA's walk over its query blocks (one role's side of it). The loader picks
-// each next block and hands it, with its seqlens_k, to every thread of the CTA
-// through the Pipeline's two walk slots: item n of the CTA goes through slot n % 2, whose full
+// each next block and hands it, with its seqlens_k, to every thread of the CTA through the
+// Pipeline's two walk slots: item n of the CTA goes through slot n % 2, whose full
 // barrier the picking lane arrives on and whose empty barrier every thread arrives on once it
 // has read the item. So the loader is at most two items ahead of the computing warpgroups, and
 // they read seqlens_k from shared memory: each warp loading it for itself a block ahead did
@@ -963,9 +963,9 @@ __device__ __forceinline__ void walk_blocks(const Args& a, unsigned char* const 
     const int first = group * group_work;
     return local < min(group_work, a.num_work - first) ? first + local : -1;
   };
-  // The loader's first warp picks (a warp-uniform branch, so that its counters stay in uniform
-  // registers: with one thread picking, ptxas spilled the loader's 40 registers); lane 0 takes
-  // the counter's slots and publishes.
+  // The loader's first warp picks and its lane 0 takes the counter's slots and publishes. (The
+  // loader's 40 registers spill since this loop, with one picking thread as with a warp; see
+  // csrc/kernels/NOTES.md, twentieth round.)
   const bool picker = kRole == Role::kLoader && (threadIdx.x >> 5) == C::kConsumerThreads / 32;
   const bool lane0 = (threadIdx.x & 31) == 0;
   int round = 0;  // the picker's, in the static walk

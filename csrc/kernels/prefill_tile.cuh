@@ -325,9 +325,9 @@ struct Pipeline {
   uint64_t* v_empty;
   int ring = 0;    // K/V tiles so far
   int q_ring = 0;  // Q tiles so far
-  // The dynamic walk's hand-off (Args::dynamic_walk): two slots of (work item, its seqlens_k),
-  // each with a full barrier (the loader's fetching thread arrives) and an empty one (every
-  // thread of the CTA arrives once it has read the slot).
+  // The walk's hand-off (walk_blocks): two slots of (work item, its seqlens_k), each with a full
+  // barrier (the loader's picking lane arrives) and an empty one (every thread of the CTA
+  // arrives once it has read the slot).
   uint64_t* walk_full = nullptr;
   uint64_t* walk_empty = nullptr;
   int2* walk_slot = nullptr;
