@@ -14,7 +14,7 @@ staged by cp.async instead of TMA (_C._set_prefill_q_loader).
 
 With --cudnn, SDPA cuDNN on the same inputs joins the interleaved graphs as the last column, and
 the table ends with each route's ratio to it. Two builds are compared that way: run the script
-in each (alternating processes, `scripts/ab_builds.sh`) and set their ours / cuDNN side by side.
+in each (alternating processes: `scripts/gpu_check.sh abbuild`) and set their ours / cuDNN side by side.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import parse_shape, progress, sets_for_bytes, time_graphs_interleaved, warm_up_gpu
+from common import parse_shape, progress, sdpa_views, sets_for_bytes, time_graphs_interleaved, warm_up_gpu
 
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16
@@ -64,10 +64,7 @@ def time_routes(b: int, length: int, d: int, routes, rounds: int, cudnn: bool = 
 
     steps = {route: pinned(route) for route in routes}
     if cudnn:
-        split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
-        qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
-        ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
-        vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        qs, ks, vs = sdpa_views(qkv, b, length, d, HQ, HKV)
 
         def sdpa_cudnn(i):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

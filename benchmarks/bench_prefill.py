@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import bar_plot, progress, sets_for_bytes, time_graph, time_graphs_interleaved, warm_up_gpu, write_tables
+from common import bar_plot, progress, sdpa_views, sets_for_bytes, time_graph, time_graphs_interleaved, warm_up_gpu, write_tables
 
 # The prefill kernels timed side by side (gqa_torch._C._set_prefill_route); "ours" is the default.
 ROUTES = ("mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3", "wgmma_ws_kv",
@@ -106,10 +106,7 @@ def attention_rows(args, ceiling):
             finally:
                 gqa_torch._C._set_prefill_append("auto")
 
-        split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
-        qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
-        ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
-        vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
+        qs, ks, vs = sdpa_views(qkv, b, length, d, HQ, HKV)
         # The headline columns (ours, with prep's append, SDPA flash and cuDNN) interleaved, so
         # that their ratios do not carry the clocks' drift over the run.
         head = time_graphs_interleaved({"ours": ours, "prep_append": ours_prep_append,
@@ -160,7 +157,7 @@ def attention_rows(args, ceiling):
                  f"{row['cudnn_TFLOPs']:.0f} | flex {row['flex_TFLOPs']:.0f} | whole {t_whole:.0f} us vs "
                  f"RoPE+write+cuDNN {t_unfused:.0f} us")
         rows.append(row)
-        del qkv, caches, qs, ks, vs, split
+        del qkv, caches, qs, ks, vs
         torch.cuda.empty_cache()
     return rows
 

@@ -33,6 +33,16 @@ def sets_for_bytes(bytes_per_set: int, target: int = 400 << 20, cap: int = 64) -
     return max(1, min(cap, -(-target // max(1, bytes_per_set))))
 
 
+def sdpa_views(qkv: list, b: int, length: int, d: int, hq: int, hkv: int):
+    """Per input set, q, k and v of a packed [B, L, (Hq + 2 Hkv) D] tensor as [B, H, L, D]
+    views (no copy), the layout SDPA takes."""
+    split = [x.split([hq * d, hkv * d, hkv * d], -1) for x in qkv]
+    qs = [s[0].view(b, length, hq, d).transpose(1, 2) for s in split]
+    ks = [s[1].view(b, length, hkv, d).transpose(1, 2) for s in split]
+    vs = [s[2].view(b, length, hkv, d).transpose(1, 2) for s in split]
+    return qs, ks, vs
+
+
 def capture_graph(step: Callable[[int], None], n_sets: int, calls: int) -> "torch.cuda.CUDAGraph":
     """`calls` calls of `step(i % n_sets)` in one CUDA graph, after a warm-up on a side stream
     (allocations, autotuning, lazy init); replayed once before it is returned."""

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend
 
 import gqa_torch
 from bench_prefill import causal_flops, sdpa_step
-from common import capture_graph, parse_shape, sets_for_bytes, warm_up_gpu
+from common import capture_graph, parse_shape, sdpa_views, sets_for_bytes, warm_up_gpu
 
 HQ, HKV = 32, 8
 DTYPE = torch.bfloat16
@@ -43,13 +43,10 @@ def steps_for(b: int, length: int, d: int):
     caches = [(torch.empty(b, HKV, length, d, device="cuda", dtype=DTYPE),
                torch.empty(b, HKV, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
     seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
-    split = [x.split([HQ * d, HKV * d, HKV * d], -1) for x in qkv]
-    qs = [s[0].view(b, length, HQ, d).transpose(1, 2) for s in split]
-    ks = [s[1].view(b, length, HKV, d).transpose(1, 2) for s in split]
-    vs = [s[2].view(b, length, HKV, d).transpose(1, 2) for s in split]
+    qs, ks, vs = sdpa_views(qkv, b, length, d, HQ, HKV)
 
     def ours(i):
-        q, k, v = split[i]
+        q, k, v = qkv[i].split([HQ * d, HKV * d, HKV * d], -1)
         gqa_torch.group_query_attention_(q, k, v, caches[i][0], caches[i][1], seqlens, num_heads=HQ,
                                          kv_num_heads=HKV)
 

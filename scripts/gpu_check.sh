@@ -103,6 +103,7 @@ for step in $steps; do
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 ab_prefill_routes.py ${GQA_AB_ARGS:-}) > "$OUT/ab.log" 2>&1 || status=1
       grep -E "^\||^device" "$OUT/ab.log" | tail -20 ;;
     abbuild)
+      if [ -z "${GQA_AB_BASE:-}" ]; then echo "abbuild: set GQA_AB_BASE to the other build's checkout"; status=2; continue; fi
       # A build started alongside this script's own marks its end with $GQA_AB_BASE/.built.
       for _ in $(seq 300); do [ -e "$GQA_AB_BASE/.built" ] && break; sleep 1; done
       for i in $(seq ${GQA_AB_REPEATS:-2}); do
