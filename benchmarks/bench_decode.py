@@ -29,7 +29,7 @@ STEP_GRID = [(1, 4096, 1000), (8, 4096, 1000), (8, 32768, 4000), (32, 8192, 8000
 DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
-MERGE_COLUMNS = ["kernel", "cluster"]
+MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
 
 
 def latency_bound(b, hq, hkv, d, length):
@@ -92,8 +92,8 @@ def decode_table(args):
                 t_loader[loader] = time_graph(ours, n)
             finally:
                 gqa_torch._C._set_decode_loader("auto")
-        # The splits merged always by the merge kernel, and always in the decode kernel's launch
-        # (a thread-block cluster of them, wherever one can run); auto picks per shape.
+        # The splits merged always by the merge kernel, always in a thread-block cluster (wherever
+        # one can run) and always by the last split to finish; auto picks per shape.
         for merge in MERGE_COLUMNS:
             gqa_torch._C._set_decode_merge(merge)
             try:

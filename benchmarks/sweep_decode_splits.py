@@ -3,7 +3,8 @@
 For every row, the in-place op (append + attention, bf16, CUDA-graph replays, inputs rotated
 beyond L2) is timed with the plan's own choice, then with each forced ``max_splits`` (and the
 smallest split lowered so that the forced count is really used), with the loader `--loader`
-pins (default: auto's choice). Prints, per row, the plan's
+pins and the merge `--merge` pins (default: auto's choices). `--ragged` adds the ragged rows of
+bench_decode.py (rows of lengths uniform in [256, capacity]). Prints, per row, the plan's
 time, the best forced setting and its time, so the plan's heuristic can be checked against
 measurements. Writes benchmarks/results/sweep_decode_splits.{json,md}.
 """
@@ -18,9 +19,12 @@ from bench_decode import DECODE_GRID, DTYPE
 from common import progress, sets_for_bytes, time_graph, write_tables
 
 SPLITS = [1, 2, 4, 8, 12, 16, 24, 33, 48, 64, 128]
+RAGGED_ROWS = [(32, 8192), (8, 32768)]  # B, capacity: bench_decode.ragged_table's rows
 
 
-def sweep_row(b, hq, hkv, d, length, splits):
+def sweep_row(b, hq, hkv, d, length, splits, lengths=None):
+    """Times one row; `lengths` (a ragged row): each batch row's valid length in a cache of
+    `length` rows."""
     kv_bytes = 2 * b * hkv * length * d * 2
     n = sets_for_bytes(kv_bytes)
     caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
@@ -29,6 +33,9 @@ def sweep_row(b, hq, hkv, d, length, splits):
     new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
     new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
     seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+    if lengths is not None:
+        seqlens = (lengths - 1).to(torch.int32).cuda()
+        kv_bytes = 2 * int(lengths.sum()) * hkv * d * 2
 
     def ours(i):
         gqa_torch.group_query_attention_(qs[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
@@ -50,18 +57,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--splits", type=int, nargs="+", default=SPLITS)
     parser.add_argument("--loader", default="auto", help="the decode loader to pin (auto, cp_async, tma, regs_k)")
+    parser.add_argument("--merge", default="auto", help="the decode merge to pin (auto, kernel, cluster, arrival)")
     parser.add_argument("--rows", type=int, nargs="+", default=None, help="indices into the decode grid (default: all)")
+    parser.add_argument("--ragged", action="store_true", help="also the ragged rows of bench_decode.py")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
     gqa_torch._C._set_decode_loader(args.loader)
+    gqa_torch._C._set_decode_merge(args.merge)
     rows = []
-    grid = [DECODE_GRID[i] for i in args.rows] if args.rows else DECODE_GRID
-    for b, hq, hkv, d, length in grid:
-        times, kv_bytes = sweep_row(b, hq, hkv, d, length, args.splits)
+    grid = [DECODE_GRID[i] for i in args.rows] if args.rows is not None else DECODE_GRID
+    grid = [(*row, None) for row in grid]
+    if args.ragged:
+        for b, capacity in RAGGED_ROWS:  # the lengths bench_decode.ragged_table draws
+            lengths = torch.randint(256, capacity + 1, (b,), generator=torch.Generator().manual_seed(b))
+            grid.append((b, 32, 8, 128, capacity, lengths))
+    for b, hq, hkv, d, length, lengths in grid:
+        times, kv_bytes = sweep_row(b, hq, hkv, d, length, args.splits, lengths)
         forced = {k: v for k, v in times.items() if k != "plan"}
         best = min(forced, key=forced.get)
-        row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, plan_us=times["plan"], best_splits=best,
+        row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length if lengths is None else f"ragged, capacity {length}",
+                   TBps=kv_bytes / forced[best] / 1e6, plan_us=times["plan"], best_splits=best,
                    best_us=forced[best], gain=times["plan"] / forced[best],
                    all_us=" ".join(f"{k}:{v:.1f}" for k, v in forced.items()))
         progress(f"B={b} {hq}/{hkv}/{d} L={length}: plan {times['plan']:.1f} us; best {best} splits "
@@ -69,10 +85,12 @@ def main():
         rows.append(row)
         torch.cuda.empty_cache()
     gqa_torch._C._set_decode_loader("auto")
+    gqa_torch._C._set_decode_merge("auto")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16", loader=args.loader,
+                merge=args.merge,
                 timing="median of CUDA-graph replays, inputs rotated beyond L2")
     print(write_tables("sweep_decode_splits", meta, rows,
-                       ["B", "heads", "L", "plan_us", "best_splits", "best_us", "gain", "all_us"],
+                       ["B", "heads", "L", "plan_us", "best_splits", "best_us", "TBps", "gain", "all_us"],
                        "Decode split sweep"))
 
 

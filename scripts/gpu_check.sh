@@ -13,7 +13,8 @@
 # at GQA_AB_BASE (another checkout, built there with build_ext; this checkout's script imports
 # its gqa_torch) and in this one, GQA_AB_REPEATS times each, to set two builds' ours / cuDNN side
 # by side), GQA_TIMELINE_ARGS those of block_timeline.py,
-# GQA_ORDER_SHAPES the shapes of interleave_order.py (the "order" step). scripts/gpu_pair.sh
+# GQA_ORDER_SHAPES the shapes of interleave_order.py (the "order" step), GQA_SWEEP_ARGS those of
+# sweep_decode_splits.py (the "sweep" step). scripts/gpu_pair.sh
 # runs a round on two GPUs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,7 +98,7 @@ for step in $steps; do
       timeout 120 python3 scripts/wgmma_check.py >> "$OUT/probe.log" 2>&1 || status=1
       rm -f "$OUT/wgmma_probe"; cat "$OUT/probe.log" | tail -40 ;;
     sweep)
-      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 sweep_decode_splits.py) > "$OUT/sweep.log" 2>&1 || status=1
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 sweep_decode_splits.py ${GQA_SWEEP_ARGS:-}) > "$OUT/sweep.log" 2>&1 || status=1
       tail -20 "$OUT/sweep.log" ;;
     ab)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 ab_prefill_routes.py ${GQA_AB_ARGS:-}) > "$OUT/ab.log" 2>&1 || status=1

@@ -541,12 +541,13 @@ def _cluster_merge_available():
     return torch.cuda.get_device_capability()[0] == 9 and "9.0a" in gqa_torch.build_info()["cuda_archs"]
 
 
-@pytest.fixture(params=["auto", "kernel", "cluster"])
+@pytest.fixture(params=["auto", "kernel", "cluster", "arrival"])
 def decode_merge(request):
     """Runs the test with each way of merging the tensor-core decode kernel's splits: "auto"
-    (inside the launch, through a thread-block cluster, for pairs of splits on an sm90 GPU in a
-    9.0a build), "kernel" (the merge kernel, the only way elsewhere) and "cluster" (a cluster
-    wherever one can run, up to 16 splits)."""
+    (inside the launch: through a thread-block cluster for pairs of splits on an sm90 GPU in a
+    9.0a build, else by the last split to finish), "kernel" (the merge kernel), "cluster" (a
+    cluster wherever one can run, up to 16 splits) and "arrival" (the last split CTA to finish,
+    on any GPU)."""
     gqa_torch._C._set_decode_merge(request.param)
     yield request.param
     gqa_torch._C._set_decode_merge("auto")
@@ -666,16 +667,17 @@ def _cuda_kernel_names(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-@pytest.mark.parametrize("batch,merge,in_launch", [(8, "kernel", False), (8, "auto", True), (1, "auto", False),
-                                                   (1, "cluster", True)])
-def test_cuda_decode_merge_switch_picks_the_kernels(batch, merge, in_launch):
+@pytest.mark.parametrize("batch,merge", [(8, "kernel"), (8, "auto"), (1, "auto"), (1, "cluster"), (1, "arrival"),
+                                         (8, "arrival"), (1, "kernel")])
+def test_cuda_decode_merge_switch_picks_the_kernels(batch, merge):
     """32/8 heads, B = 8 in 2 splits and B = 1 in 16 (the H200 plan's counts, pinned). "kernel" runs the
-    merge kernel after the decode kernel; "auto" merges pairs of splits in the launch (where a
-    cluster can run: an sm90 GPU, a 9.0a build) and leaves 16 to the merge kernel; "cluster"
-    merges 16 in the launch too."""
+    merge kernel after the decode kernel; every other choice merges in the launch: "auto" pairs of
+    splits in a cluster (where one can run: an sm90 GPU, a 9.0a build) and the rest by the last
+    split to finish, "arrival" always by the last split, "cluster" in a cluster where one can run
+    (else the merge kernel)."""
     case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=128, capacity=2048,
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
-    in_launch = in_launch and _cluster_merge_available()
+    in_launch = merge != "kernel" and (merge != "cluster" or _cluster_merge_available())
     try:
         gqa_torch._C._set_decode_merge(merge)
         gqa_torch._C._set_decode_split_override(2 if batch == 8 else 16, 0)
@@ -689,9 +691,54 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, merge, in_launch):
     assert any("merge_kernel" in n for n in names) == (not in_launch), names
 
 
-def test_cuda_graph_decode_replay_50_steps():
+@pytest.mark.parametrize("merge,max_splits", [("auto", 0), ("arrival", 0), ("arrival", 5)])
+def test_cuda_graph_decode_replay_50_steps(merge, max_splits):
     """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
-    inputs change: every replay is checked against the reference (output and caches)."""
+    inputs change: every replay is checked against the reference (output and caches). With the
+    plan's splits (2 here; auto merges them in a cluster where one can run) and with the splits
+    merged by the last one to finish, in 2 and in up to 5 splits (the captured arrival counters
+    must be zero again after every replay)."""
+    gqa_torch._C._set_decode_merge(merge)
+    gqa_torch._C._set_decode_split_override(max_splits, 1 if max_splits else 0)
+    try:
+        _graph_decode_replay_50_steps()
+    finally:
+        gqa_torch._C._set_decode_merge("auto")
+        gqa_torch._C._set_decode_split_override(0, 0)
+
+
+@pytest.mark.parametrize("merge", ["auto", "arrival"])
+def test_cuda_decode_on_two_streams_at_once(merge):
+    """Decode calls in flight on two streams at once, each in 16 splits merged in the launch by
+    the last split to finish: every output and cache matches the reference. Each stream has its
+    own arrival counters; shared ones would let a split of one call count as another call's
+    last and merge partials not yet written."""
+    cases = [make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=1500,
+                       past_lengths=[1400 - 37 * i, 700 + 53 * i], dtype=torch.bfloat16, device="cuda")
+             for i in range(12)]
+    befores = [c.clone() for c in cases]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    gqa_torch._C._set_decode_merge(merge)
+    gqa_torch._C._set_decode_split_override(16, 1)
+    try:
+        outs = []
+        for i, case in enumerate(cases):
+            with torch.cuda.stream(streams[i % 2]):
+                outs.append(case.run())
+        torch.cuda.synchronize()
+    finally:
+        gqa_torch._C._set_decode_merge("auto")
+        gqa_torch._C._set_decode_split_override(0, 0)
+    gqa_torch.check_errors()
+    for out, case, before in zip(outs, cases, befores):
+        ref_out, ref_k, ref_v = before.reference()
+        assert_output_close(out, ref_out, before, suite="cuda")
+        check_caches(before, case.cache_key, case.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
+def _graph_decode_replay_50_steps():
     B, Hq, Hkv, D, C = 3, 8, 2, 64, 96
     rng = random.Random(5)
     case = make_case("inplace", batch=B, seq=1, num_heads=Hq, kv_num_heads=Hkv, head_dim=D, capacity=C,

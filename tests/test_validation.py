@@ -619,7 +619,7 @@ def test_tuning_switches_name_what_they_expect():
     with pytest.raises(ValueError, match=r'gqa: decode loader: expected one of auto, cp_async, tma, regs_k, got "nope"'):
         gqa_torch._C._set_decode_loader("nope")
     gqa_torch._C._set_decode_loader("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode merge: expected one of auto, kernel, cluster, got "dsmem"'):
+    with pytest.raises(ValueError, match=r'gqa: decode merge: expected one of auto, kernel, cluster, arrival, got "dsmem"'):
         gqa_torch._C._set_decode_merge("dsmem")
     gqa_torch._C._set_decode_merge("auto")
     with pytest.raises(ValueError, match=r'gqa: prefill append: expected one of auto, prep, got "kernel"'):

@@ -68,6 +68,11 @@ struct Params {
   // CUDA prefill only: the query-block counter of the warp-specialised kernels' dynamic walk,
   // in the call's workspace (WorkspaceLayout::work_counter); prep zeroes it.
   int32_t* work_counter = nullptr;
+  // CUDA decode only: zeroed counters that stay zero between calls, one per (row, kv head,
+  // head chunk) up to arrival_slots, private to the stream the call runs on (cuda_backend.cpp);
+  // null when that stream has none. With them the decode splits merge inside their launch.
+  uint32_t* arrival_counters = nullptr;
+  int32_t arrival_slots = 0;
 };
 
 inline int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }

@@ -34,6 +34,10 @@ struct Work {
   // its CTAs merge their partial outputs through distributed shared memory, so no merge kernel
   // runs and partial_out / partial_lse are not used (decode_mma.cuh).
   int32_t cluster_merge = 0;
+  // Decode: the per-stream arrival counters (Params::arrival_counters), one per (row, kv head,
+  // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
+  // otherwise. They are zero between calls: the last CTA resets its counter.
+  uint32_t* arrivals = nullptr;
 };
 
 // ------------------------------------------------------------------------------------------

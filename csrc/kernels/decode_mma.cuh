@@ -12,7 +12,8 @@
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
 // partial output and log-sum-exp for the merge kernel, or (w.cluster_merge: the splits of one
 // (row, kv head, head chunk) form one thread-block cluster) the splits merge through
-// distributed shared memory (cluster_merge_splits) and no merge kernel runs.
+// distributed shared memory (cluster_merge_splits) and no merge kernel runs, or (w.arrivals)
+// the last split CTA to finish merges them all (decode_arrival.cuh) and no merge kernel runs.
 //
 // `fused` (in-place op): no prep launch ran. Every CTA checks all rows itself (so a bad row
 // anywhere makes the whole call NaN, as the error word would), the CTA whose range holds the
@@ -23,6 +24,7 @@
 
 #include "cluster.cuh"
 #include "common.cuh"
+#include "decode_arrival.cuh"
 #include "tma.cuh"
 
 namespace gqa {
@@ -301,6 +303,18 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (tid == 0) x_status = 1u;
       cluster_idle();
     }
+    // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
+    // the merge write NaN, should another split have passed its checks).
+    if (w.arrivals != nullptr && active > 1 && split < active) {
+      const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+      for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
+      if (arrive_last(arrival_counter(w, b), active)) {
+        for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+          const int r = i / D;
+          out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+        }
+      }
+    }
     return;
   }
 
@@ -321,6 +335,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       w.partial_out[slot * D + (i - r * D)] = 0.f;
       if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
     }
+    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
+      arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
     return;
   }
 
@@ -783,6 +799,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     } else {
       cluster_idle();
     }
+  } else if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b), active)) {
+    arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
   }
 }
 
@@ -792,11 +810,13 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 // into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
-// a cluster wherever one can run.
+// a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
+// stream has arrival counters (else the merge kernel).
 extern std::atomic<int> g_decode_merge;
 
-// Returns whether the splits merged inside this launch (a cluster a (row, kv head, head
-// chunk)); otherwise, with several splits, the caller runs the merge kernel.
+// Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
+// or the last CTA of each to arrive); otherwise, with several splits, the caller runs the merge
+// kernel. w.arrivals: the stream's counters when there are enough of them, else null.
 template <typename T, int D, int kLoader>
 bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = (p.group_size + 15) / 16;
@@ -816,12 +836,14 @@ bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream
   const bool all_resident =
       ctas <= static_cast<int64_t>(resident_ctas_per_sm<kernel>(block, smem)) * device_attribute<cudaDevAttrMultiProcessorCount>();
   Work wk = w;
-  wk.cluster_merge = w.max_splits > 1 && merge != 1 && kBuiltSm90a && device_is_sm90() &&
+  wk.cluster_merge = w.max_splits > 1 && (merge == 0 || merge == 2) && kBuiltSm90a && device_is_sm90() &&
                      (merge == 2 || (w.max_splits <= kAutoMaxCluster && all_resident)) &&
                      cluster_shape_runs<kernel>(w.max_splits, block, smem);
+  // Where no cluster merges, auto takes the arrival merge whenever the stream has counters.
+  if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 0 || merge == 3)) wk.arrivals = nullptr;
   launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
                           wk, fused ? 1 : 0, maps);
-  return wk.cluster_merge != 0;
+  return wk.cluster_merge != 0 || wk.arrivals != nullptr;
 }
 
 template <typename T, int D>

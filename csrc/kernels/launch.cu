@@ -2,8 +2,8 @@
 //
 //   decode, in-place, tensor-core eligible:  decode_mma(fused)          [+ merge]
 //   decode, otherwise:                       prep -> decode_mma|generic [+ merge]
-//   (decode_mma merges its own splits in a thread-block cluster, with no merge kernel, when
-//   launch_decode_loader picks that: see set_decode_merge)
+//   (decode_mma merges its own splits, with no merge kernel, in a thread-block cluster or in the
+//   last split CTA to finish, when launch_decode_loader picks that: see set_decode_merge)
 //   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu) [+ merge]|generic
 //   (in place without RoPE, prefill_mma appends the rows with no past itself, and prep only
 //   checks them: prefill_mma_appends)
@@ -59,6 +59,11 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     w.partial_lse = reinterpret_cast<float*>(ws + plan.workspace.partial_lse);
   }
   const bool tc = tensor_core_path(p);
+  // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
+  // stream has enough of them (decode_arrival.cuh).
+  const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * ((p.group_size + 15) / 16);
+  if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots)
+    w.arrivals = p.arrival_counters;
 
   if (plan.route == Route::kDecode) {
     const bool fused = tc && p.inplace;

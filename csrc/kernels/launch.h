@@ -21,9 +21,11 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 void set_decode_loader(int loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (inside
-// the launch, through a thread-block cluster of the splits, when they are two and every CTA of
-// the launch is resident at once, on an sm90 device in an sm90a build; else the merge kernel),
-// 1 the merge kernel always, 2 a cluster wherever one can run (at most 16 splits).
+// the launch: through a thread-block cluster of the splits when they are two and every CTA of
+// the launch is resident at once, on an sm90 device in an sm90a build; else by the last split
+// CTA to finish, where the stream has arrival counters; else the merge kernel), 1 the merge
+// kernel always, 2 a cluster wherever one can run (at most 16 splits), 3 the last CTA to finish
+// wherever the stream has arrival counters.
 void set_decode_merge(int merge);
 
 }  // namespace cuda

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "../core/errors.h"
 #include "../core/plan.h"
@@ -104,7 +105,7 @@ void set_decode_loader(const std::string& loader) {
 
 void set_decode_merge(const std::string& merge) {
   // The index is the merge code of kernels/launch.h.
-  static const char* const kMerges[] = {"auto", "kernel", "cluster"};
+  static const char* const kMerges[] = {"auto", "kernel", "cluster", "arrival"};
   const int code = switch_code(kMerges, merge, "decode merge");
   (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA
@@ -143,8 +144,17 @@ at::Tensor error_word(int64_t) {
 namespace {
 
 constexpr int kMaxDevices = 64;
+// The decode kernel's arrival counters (decode_arrival.cuh) sit after the error word in the same
+// allocation: kArrivalLanes lanes of kArrivalSlots counters. A stream takes the next free lane
+// the first time it runs a call, and keeps it, so two streams never share counters; a call on a
+// stream past the last lane, or with more (row, kv head, head chunk) slots than a lane holds,
+// merges its splits with the merge kernel instead. Graphs keep the lane of their capture stream.
+constexpr int kArrivalLanes = 64;
+constexpr int kArrivalSlots = 4096;
+constexpr size_t kWordBytes = 256;
 std::mutex g_word_mutex;
 uint32_t* g_words[kMaxDevices] = {};
+std::vector<cudaStream_t> g_lane_streams[kMaxDevices];
 
 void check_cuda(cudaError_t status, const char* what) {
   TORCH_CHECK(status == cudaSuccess, "gqa: ", what, " failed: ", cudaGetErrorString(status));
@@ -168,12 +178,27 @@ uint32_t* device_word(int device, cudaStream_t stream) {
                 "device before capturing, as the usual warm-up does");
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     void* ptr = nullptr;
-    check_cuda(cudaMalloc(&ptr, 256), "cudaMalloc(error word)");
-    check_cuda(cudaMemset(ptr, 0, 256), "cudaMemset(error word)");
+    const size_t bytes = kWordBytes + sizeof(uint32_t) * kArrivalLanes * kArrivalSlots;
+    check_cuda(cudaMalloc(&ptr, bytes), "cudaMalloc(error word)");
+    check_cuda(cudaMemset(ptr, 0, bytes), "cudaMemset(error word)");
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(error word)");
     g_words[device] = static_cast<uint32_t*>(ptr);
   }
   return g_words[device];
+}
+
+// This stream's lane of arrival counters on `device` (whose word device_word allocated), or
+// null when every lane is taken.
+uint32_t* arrival_lane(int device, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(g_word_mutex);
+  std::vector<cudaStream_t>& streams = g_lane_streams[device];
+  size_t lane = 0;
+  while (lane < streams.size() && streams[lane] != stream) ++lane;
+  if (lane == streams.size()) {
+    if (lane == kArrivalLanes) return nullptr;
+    streams.push_back(stream);
+  }
+  return g_words[device] + kWordBytes / sizeof(uint32_t) + lane * kArrivalSlots;
 }
 
 DeviceInfo device_info(int device) {
@@ -211,6 +236,10 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
   c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   p.error_word = device_word(device, stream);
+  if (p.query_len == 1) {
+    p.arrival_counters = arrival_lane(device, stream);
+    p.arrival_slots = p.arrival_counters != nullptr ? kArrivalSlots : 0;
+  }
 
   Plan plan = make_plan(p, device_info(device));
   if (plan.route == Route::kDecode && (g_split_override > 0 || g_min_split_keys_override > 0)) {

@@ -33,8 +33,9 @@ PYBIND11_MODULE(_C, m) {
         "\"regs_k\".");
   m.def("_set_decode_merge", &gqa::set_decode_merge, pybind11::arg("merge"),
         "Tests and benchmarks: how the decode kernel's key-range splits are merged, \"auto\" (the default: "
-        "pairs of splits inside the launch, through a thread-block cluster, where one can run), \"kernel\" "
-        "(the merge kernel always) or \"cluster\" (a cluster wherever one can run).");
+        "inside the launch, pairs of splits through a thread-block cluster where one can run, else by the "
+        "last split to finish), \"kernel\" (the merge kernel always), \"cluster\" (a cluster wherever one "
+        "can run) or \"arrival\" (the last split to finish, wherever the stream has arrival counters).");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {

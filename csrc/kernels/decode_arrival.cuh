@@ -1,0 +1,115 @@
+// The decode splits merged by the last of them to finish, inside the decode launch.
+//
+// Each split CTA of a (row, kv head, head chunk) writes its normalised partial output and
+// log-sum-exp to the workspace (as for the merge kernel), then counts itself in on the slot's
+// arrival counter. The CTA that arrives last reads every split's partials back from L2 and
+// writes the output. So no merge kernel runs, and no CTA waits for another (a thread-block
+// cluster keeps its CTAs resident until its slowest one finishes; eleventh H200 round).
+//
+// The counters (Params::arrival_counters) are zero before the call, and the last CTA of each
+// slot sets its counter back to zero. The next call on the stream touches them only after its
+// PDL wait, that is after this grid has finished, so they are zero again by then. Every CTA of
+// a slot computes the same `active` from the same seqlens_k, so all agree on the count.
+//
+// A CTA that took the error path writes NaN as its log-sum-exp before it arrives; the merging
+// CTA then writes NaN. (Every CTA normally takes the error path together; they can differ
+// only when the error word changes during the launch, from another stream's call.)
+#pragma once
+
+#include "common.cuh"
+
+namespace gqa {
+namespace cuda {
+namespace detail {
+
+// The counter of this CTA's slot: the decode grid is (split, kv head x head chunk, row).
+__device__ __forceinline__ uint32_t* arrival_counter(const Work& w, int row) {
+  return w.arrivals + static_cast<int64_t>(row) * gridDim.y + blockIdx.y;
+}
+
+// Called by every thread of the CTA, after its partial stores. True in the one CTA of the slot
+// that arrived last; its later loads see every other split's partials.
+__device__ __forceinline__ bool arrive_last(uint32_t* counter, int active) {
+  __shared__ int last_flag;
+  __syncthreads();  // the CTA's partial stores come before thread 0's fence (bar.sync orders them)
+  if (threadIdx.x == 0) {
+    __threadfence();  // release: the partials are visible GPU-wide before the count says so
+    const uint32_t before = atomicAdd(counter, 1u);
+    const bool last = before + 1u == static_cast<uint32_t>(active);
+    if (last) {
+      *counter = 0u;
+      __threadfence();  // acquire: the other splits' partials, released before their counts
+    }
+    last_flag = last ? 1 : 0;
+  }
+  __syncthreads();
+  return last_flag != 0;
+}
+
+// The merging CTA: each thread takes four consecutive columns of one query head and combines
+// the active splits' partials, kBatch splits of loads in flight at a time (L2 reads: __ldcg,
+// since L1 is not coherent with the other SMs' stores). `part` is the slot's first partial
+// index (row h0's split 0), as in the decode kernel.
+template <typename T, int D, int kThreads>
+__device__ void arrival_merge_splits(const Params& p, const Work& w, int64_t part, int active, int h0, int nh,
+                                     T* out_row) {
+  constexpr int kUnitsPerRow = D / 4;
+  constexpr int kBatch = 16;
+  const int64_t head_stride = p.output_strides.head;
+  for (int i = threadIdx.x; i < nh * kUnitsPerRow; i += kThreads) {
+    const int row = i / kUnitsPerRow;
+    const int d = 4 * (i - row * kUnitsPerRow);
+    const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
+    const float* lse_src = w.partial_lse + slot;
+    const float4* out_src = reinterpret_cast<const float4*>(w.partial_out + slot * D + d);
+    // An online merge over batches: m is the largest log-sum-exp so far, l and acc the sum of
+    // the weights and of the weighted partials relative to it.
+    float m = -INFINITY, l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    bool poisoned = false;
+    for (int s0 = 0; s0 < active; s0 += kBatch) {
+      float lse[kBatch];
+      float4 v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const bool ok = s0 + u < active;
+        lse[u] = ok ? __ldcg(lse_src + s0 + u) : -INFINITY;
+        v[u] = ok ? __ldcg(out_src + static_cast<int64_t>(s0 + u) * kUnitsPerRow) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float mb = m;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        poisoned |= lse[u] != lse[u];
+        mb = fmaxf(mb, lse[u]);
+      }
+      if (mb == -INFINITY) continue;  // every split so far was empty
+      const float c = exp2f(m - mb);  // 0 while m is -inf
+      l *= c;
+      acc.x *= c;
+      acc.y *= c;
+      acc.z *= c;
+      acc.w *= c;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (lse[u] == -INFINITY) continue;  // an empty split (its partial is zeros) or none
+        const float e = exp2f(lse[u] - mb);
+        l += e;
+        acc.x = fmaf(e, v[u].x, acc.x);
+        acc.y = fmaf(e, v[u].y, acc.y);
+        acc.z = fmaf(e, v[u].z, acc.z);
+        acc.w = fmaf(e, v[u].w, acc.w);
+      }
+      m = mb;
+    }
+    const float f = poisoned ? quiet_nan() : final_factor(p, h0 + row, m, l);
+    T* dst = out_row + (h0 + row) * head_stride + d;
+    dst[0] = from_f<T>(acc.x * f);
+    dst[1] = from_f<T>(acc.y * f);
+    dst[2] = from_f<T>(acc.z * f);
+    dst[3] = from_f<T>(acc.w * f);
+  }
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace gqa
