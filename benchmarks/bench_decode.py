@@ -30,6 +30,19 @@ DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
+TILES_COLUMNS = ["early"]
+
+
+def pinned(step, switch, value):
+    """`step` with one of the decode kernel's switches set to `value` while it is enqueued."""
+    def run(i):
+        switch(value)
+        try:
+            step(i)
+        finally:
+            switch("auto")
+
+    return run
 
 
 def latency_bound(b, hq, hkv, d, length):
@@ -78,28 +91,20 @@ def decode_table(args):
                                              num_heads=hq, kv_num_heads=hkv)
 
         ks, vs = [c[0] for c in caches], [c[1] for c in caches]
-        # The headline columns (ours, SDPA flash and cuDNN) interleaved, so that their ratios do
-        # not carry the clocks' drift over the run (common.time_graphs_interleaved).
-        head = time_graphs_interleaved({"ours": ours, "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
-                                        "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}, n)
-        t_ours, t_flash, t_cudnn = head["ours"], head["flash"], head["cudnn"]
-        # The decode kernel's other loaders (the default takes TMA on an sm90 GPU in a 9.0a
-        # build); the loader is fixed when the graph is captured.
-        t_loader = {}
-        for loader in LOADER_COLUMNS:
-            gqa_torch._C._set_decode_loader(loader)
-            try:
-                t_loader[loader] = time_graph(ours, n)
-            finally:
-                gqa_torch._C._set_decode_loader("auto")
-        # The splits merged always by the merge kernel, always in a thread-block cluster (wherever
-        # one can run) and always by the last split to finish; auto picks per shape.
-        for merge in MERGE_COLUMNS:
-            gqa_torch._C._set_decode_merge(merge)
-            try:
-                t_loader[f"merge_{merge}"] = time_graph(ours, n)
-            finally:
-                gqa_torch._C._set_decode_merge("auto")
+        # Every column interleaved (common.time_graphs_interleaved), so that their ratios do not
+        # carry the clocks' drift over the run: ours (auto), SDPA flash and cuDNN, and ours with
+        # each of the decode kernel's loaders, merges and first-stage timings pinned (a switch is
+        # read when the call is enqueued, so each graph keeps the one set at its capture).
+        steps = {"ours": ours, "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
+                 "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
+        for switch, values, prefix in ((gqa_torch._C._set_decode_loader, LOADER_COLUMNS, ""),
+                                       (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_"),
+                                       (gqa_torch._C._set_decode_tiles, TILES_COLUMNS, "tiles_")):
+            for value in values:
+                steps[prefix + value] = pinned(ours, switch, value)
+        times = time_graphs_interleaved(steps, n)
+        t_ours, t_flash, t_cudnn = times.pop("ours"), times.pop("flash"), times.pop("cudnn")
+        t_loader = times
         t_flex = time_flex(qs, ks, vs) if args.flex and kv_bytes < 1e9 else float("nan")
         best = min(t for t in (t_flash, t_cudnn) if t == t)
         row = dict(B=b, heads=f"{hq}/{hkv}/{d}", L=length, kv_MB=kv_bytes / 1e6, ours_us=t_ours, **{f"{k}_us": t for k, t in t_loader.items()},
@@ -229,7 +234,7 @@ def main():
     out = []
     if args.only in (None, "decode"):
         rows = decode_table(args)
-        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS], *[f"tiles_{k}_us" for k in TILES_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],

@@ -581,10 +581,19 @@ def decode_loader(request):
     gqa_torch._C._set_decode_loader("auto")
 
 
+@pytest.fixture(params=["after_checks", "early"])
+def decode_tiles(request):
+    """Runs the test with the TMA decode loaders' first stages issued after the error word and
+    the row checks, and before them ("early"; the cp.async loader ignores it)."""
+    gqa_torch._C._set_decode_tiles(request.param)
+    yield request.param
+    gqa_torch._C._set_decode_tiles("auto")
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("op", ["inplace", "functional"])
-def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader):
+def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader, decode_tiles):
     """Each tensor-core decode loader at every fast head size: rows whose length leaves a short
     last slice in a warp (1, 15, 17, 63 and 65 keys) and one long enough that every pipeline
     stage is reused (2000 keys), a group of 20 query heads (two head chunks, so two CTAs read
@@ -775,9 +784,10 @@ def _graph_decode_replay_50_steps():
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, decode_merge):
+def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, decode_merge, decode_tiles):
     """A bad row among valid ones on the tensor-core decode kernel (fused in place), with each
-    loader and each merge: no cache byte changes (guard regions included), every output is NaN
+    loader, each merge and the first stages issued before or after the checks (early, the bad
+    row's boxes reach past the capacity): no cache byte changes (guard regions included), every output is NaN
     (a bad row anywhere poisons the fused call), a later valid call is NaN too while the word is
     set, and check_errors() raises the capacity flag. Every row takes 2 splits (pinned), which auto
     merges in a cluster: its error path, where every CTA of the cluster meets both barriers."""

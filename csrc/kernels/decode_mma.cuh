@@ -227,119 +227,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int k0 = vis.lo + split * chunk;
   const int k1 = min(vis.hi, k0 + chunk);
 
-  pdl_wait();
-  pdl_launch_dependents();
-
-  // The error word may be set by the kernel just before: after the wait.
-  const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
-  // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
-  // after the PDL wait (they may be the kernel before's output): their memory round trip
-  // overlaps the error word's, the row checks and the first K/V loads instead of following
-  // them. (Nsight Compute, B1 L1024, TMA loader: the Q units' shared stores waiting on their
-  // loads and the barrier behind them held 16% of the stall samples; the first K/V wait none.)
-  // Not with K in registers (their budget) nor at D = 256 (eight units a thread).
-  constexpr bool kPrefetch = !kRegK && D <= 128;
-  constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
-  constexpr int kQPre = kPrefetch ? (16 * (D / kE) + Cfg::kThreads - 1) / Cfg::kThreads : 1;
-  auto aligned16 = [](const T* row, int64_t stride) {
-    return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
-  };
-  const TokenStrides qs = p.query_strides;
-  const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
-  const bool rope_vec = rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary);
-  const bool q_vec = aligned16(qsrc, qs.head) && rope_vec;
-  const int q_units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);  // also a new key's
-  const T* const ksrc = static_cast<const T*>(p.key) + b * p.key_strides.batch + kvh * p.key_strides.head;
-  const T* const vsrc = static_cast<const T*>(p.value) + b * p.value_strides.batch + kvh * p.value_strides.head;
-  const bool kv_pre = kPrefetch && fused && aligned16(ksrc, 0) && aligned16(vsrc, 0) && rope_vec;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  uint4 q_pre[kQPre][2], k_pre[2] = {zero, zero}, v_pre = zero;
-  if constexpr (kPrefetch) {
-#pragma unroll
-    for (int j = 0; j < kQPre; ++j) {
-      const int i = tid + j * Cfg::kThreads;
-      q_pre[j][0] = q_pre[j][1] = zero;
-      if (q_vec && i < nh * q_units) {
-        const int r = i / q_units;
-        int c0, c1;
-        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, i - r * q_units, c0, c1);
-        const uint4* const row = reinterpret_cast<const uint4*>(qsrc + (h0 + r) * qs.head);
-        q_pre[j][0] = row[c0];
-        if (c1 >= 0) q_pre[j][1] = row[c1];
-      }
-    }
-    if (kv_pre && tid < q_units) {
-      int c0, c1;
-      rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
-      k_pre[0] = reinterpret_cast<const uint4*>(ksrc)[c0];
-      if (c1 >= 0) k_pre[1] = reinterpret_cast<const uint4*>(ksrc)[c1];
-    }
-    if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
-  }
-
-  uint32_t bad = g.flags | word;
-  if (fused) {
-    for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
-      const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
-      uint32_t f = gb.flags;
-      if (f == 0 && p.do_rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
-      if (f != 0) {
-        bad |= f;
-        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
-      }
-    }
-  }
-  if (__syncthreads_or(bad != 0)) {
-    if (split == 0) {
-      for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-        const int r = i / D;
-        out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
-      }
-    }
-    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
-    // same for all of them), unless the error word changed between their reads of it (another
-    // stream's call): then they merge, see this status, and write NaN as well.
-    if (w.cluster_merge) {
-      if (tid == 0) x_status = 1u;
-      cluster_idle();
-    }
-    // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
-    // the merge write NaN, should another split have passed its checks).
-    if (w.arrivals != nullptr && active > 1 && split < active) {
-      const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
-      for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
-      if (arrive_last(arrival_counter(w, b), active)) {
-        for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-          const int r = i / D;
-          out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
-        }
-      }
-    }
-    return;
-  }
-
-  if (split >= active) {
-    if (w.cluster_merge) cluster_idle();
-    return;
-  }
-  const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
-  if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
-    if (w.cluster_merge) {
-      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
-      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
-      return;
-    }
-    for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-      const int r = i / D;
-      const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
-      w.partial_out[slot * D + (i - r * D)] = 0.f;
-      if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
-    }
-    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
-      arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
-    return;
-  }
-
   const TokenStrides cs = p.cache_strides;
   const T* kbase = static_cast<const T*>(p.key_cache) + b * cs.batch + kvh * cs.head;
   const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
@@ -406,6 +293,138 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
   };
 
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // w.early_tiles (the TMA slices): the first stages go out before the error word and the row
+  // checks, so that their memory round trip overlaps those reads. Safe for a bad row too: the
+  // boxes stay in the tensor maps (capacity rows, zero-filled past them), and the error path
+  // waits for them before it returns (a CTA may not exit with copies into its shared memory in
+  // flight). The new key's row may be read stale; it is patched in after the wait either way.
+  const bool early = kTma && w.early_tiles != 0;
+  if (early) {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < ntiles) load_slice(s, s);
+    }
+  }
+
+  // The error word may be set by the kernel just before: after the wait.
+  const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
+  // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
+  // after the PDL wait (they may be the kernel before's output): their memory round trip
+  // overlaps the error word's, the row checks and the first K/V loads instead of following
+  // them. (Nsight Compute, B1 L1024, TMA loader: the Q units' shared stores waiting on their
+  // loads and the barrier behind them held 16% of the stall samples; the first K/V wait none.)
+  // Not with K in registers (their budget) nor at D = 256 (eight units a thread).
+  constexpr bool kPrefetch = !kRegK && D <= 128;
+  constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
+  constexpr int kQPre = kPrefetch ? (16 * (D / kE) + Cfg::kThreads - 1) / Cfg::kThreads : 1;
+  auto aligned16 = [](const T* row, int64_t stride) {
+    return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
+  };
+  const TokenStrides qs = p.query_strides;
+  const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
+  const bool rope_vec = rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary);
+  const bool q_vec = aligned16(qsrc, qs.head) && rope_vec;
+  const int q_units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);  // also a new key's
+  const T* const ksrc = static_cast<const T*>(p.key) + b * p.key_strides.batch + kvh * p.key_strides.head;
+  const T* const vsrc = static_cast<const T*>(p.value) + b * p.value_strides.batch + kvh * p.value_strides.head;
+  const bool kv_pre = kPrefetch && fused && aligned16(ksrc, 0) && aligned16(vsrc, 0) && rope_vec;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  uint4 q_pre[kQPre][2], k_pre[2] = {zero, zero}, v_pre = zero;
+  if constexpr (kPrefetch) {
+#pragma unroll
+    for (int j = 0; j < kQPre; ++j) {
+      const int i = tid + j * Cfg::kThreads;
+      q_pre[j][0] = q_pre[j][1] = zero;
+      if (q_vec && i < nh * q_units) {
+        const int r = i / q_units;
+        int c0, c1;
+        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, i - r * q_units, c0, c1);
+        const uint4* const row = reinterpret_cast<const uint4*>(qsrc + (h0 + r) * qs.head);
+        q_pre[j][0] = row[c0];
+        if (c1 >= 0) q_pre[j][1] = row[c1];
+      }
+    }
+    if (kv_pre && tid < q_units) {
+      int c0, c1;
+      rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
+      k_pre[0] = reinterpret_cast<const uint4*>(ksrc)[c0];
+      if (c1 >= 0) k_pre[1] = reinterpret_cast<const uint4*>(ksrc)[c1];
+    }
+    if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
+  }
+
+  uint32_t bad = g.flags | word;
+  if (fused) {
+    for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
+      const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
+      uint32_t f = gb.flags;
+      if (f == 0 && p.do_rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
+      if (f != 0) {
+        bad |= f;
+        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
+      }
+    }
+  }
+  if (__syncthreads_or(bad != 0)) {
+    if (early && lane == 0) {
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < ntiles && slice_keys(s) > 0) mbarrier_wait(slice_bars + 8u * s, 0);
+      }
+    }
+    if (split == 0) {
+      for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+        const int r = i / D;
+        out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+      }
+    }
+    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
+    // same for all of them), unless the error word changed between their reads of it (another
+    // stream's call): then they merge, see this status, and write NaN as well.
+    if (w.cluster_merge) {
+      if (tid == 0) x_status = 1u;
+      cluster_idle();
+    }
+    // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
+    // the merge write NaN, should another split have passed its checks).
+    if (w.arrivals != nullptr && active > 1 && split < active) {
+      const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+      for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
+      if (arrive_last(arrival_counter(w, b), active)) {
+        for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+          const int r = i / D;
+          out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+        }
+      }
+    }
+    return;
+  }
+
+  if (split >= active) {
+    if (w.cluster_merge) cluster_idle();
+    return;
+  }
+  const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+  if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
+    if (w.cluster_merge) {
+      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
+      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
+      return;
+    }
+    for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+      const int r = i / D;
+      const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
+      w.partial_out[slot * D + (i - r * D)] = 0.f;
+      if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
+    }
+    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
+      arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
+    return;
+  }
+
+
   // kRegK: K goes from memory straight into the mma B fragments of S = Q K^T. The dot product
   // over d does not care about the order of d, so lane q = lane % 4 of key group row lane / 4
   // takes the physical columns u * 32 + q * 8 + (0..7), u < D / 32 (one 16-byte load each, and a
@@ -427,9 +446,11 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   };
 
   if constexpr (kTma) {
+    if (!early) {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < ntiles) load_slice(s, s);
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < ntiles) load_slice(s, s);
+      }
     }
   } else {
 #pragma unroll
@@ -813,6 +834,8 @@ extern std::atomic<int> g_decode_loader;
 // a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
 // stream has arrival counters (else the merge kernel).
 extern std::atomic<int> g_decode_merge;
+// set_decode_tiles (launch.cu): 0 auto (after the checks), 1 after the checks, 2 before them.
+extern std::atomic<int> g_decode_tiles;
 
 // Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
 // or the last CTA of each to arrive); otherwise, with several splits, the caller runs the merge
@@ -841,6 +864,7 @@ bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream
                      cluster_shape_runs<kernel>(w.max_splits, block, smem);
   // Where no cluster merges, auto takes the arrival merge whenever the stream has counters.
   if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 0 || merge == 3)) wk.arrivals = nullptr;
+  wk.early_tiles = DecodeCfg<D, kLoader>::kTma && g_decode_tiles.load(std::memory_order_relaxed) == 2;
   launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
                           wk, fused ? 1 : 0, maps);
   return wk.cluster_merge != 0 || wk.arrivals != nullptr;

@@ -28,5 +28,9 @@ void set_decode_loader(int loader);
 // wherever the stream has arrival counters.
 void set_decode_merge(int merge);
 
+// Tests and benchmarks: when the TMA decode loaders issue their first stages. 0 auto (after the
+// error word and the row checks), 1 after them always, 2 before them ("early").
+void set_decode_tiles(int tiles);
+
 }  // namespace cuda
 }  // namespace gqa
