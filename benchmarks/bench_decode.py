@@ -30,7 +30,6 @@ DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
-TILES_COLUMNS = ["early"]
 
 
 def pinned(step, switch, value):
@@ -93,13 +92,12 @@ def decode_table(args):
         ks, vs = [c[0] for c in caches], [c[1] for c in caches]
         # Every column interleaved (common.time_graphs_interleaved), so that their ratios do not
         # carry the clocks' drift over the run: ours (auto), SDPA flash and cuDNN, and ours with
-        # each of the decode kernel's loaders, merges and first-stage timings pinned (a switch is
+        # each of the decode kernel's loaders and merges pinned (a switch is
         # read when the call is enqueued, so each graph keeps the one set at its capture).
         steps = {"ours": ours, "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
                  "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
         for switch, values, prefix in ((gqa_torch._C._set_decode_loader, LOADER_COLUMNS, ""),
-                                       (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_"),
-                                       (gqa_torch._C._set_decode_tiles, TILES_COLUMNS, "tiles_")):
+                                       (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
         times = time_graphs_interleaved(steps, n)
@@ -234,7 +232,7 @@ def main():
     out = []
     if args.only in (None, "decode"):
         rows = decode_table(args)
-        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS], *[f"tiles_{k}_us" for k in TILES_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],

@@ -569,7 +569,8 @@ def test_cuda_decode(dtype, batch, past, op, decode_merge):
 @pytest.fixture(params=["cp_async", "tma", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
-    9.0a build "regs_k" or TMA, and cp.async at head size 64 with one CTA an SM), so that every
+    9.0a build "regs_k" or TMA, and cp.async with one CTA an SM at head size 64, and at 128 with
+    short splits), so that every
     loader stays tested there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and
     128; elsewhere it runs as auto."""
     if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
@@ -581,19 +582,10 @@ def decode_loader(request):
     gqa_torch._C._set_decode_loader("auto")
 
 
-@pytest.fixture(params=["after_checks", "early"])
-def decode_tiles(request):
-    """Runs the test with the TMA decode loaders' first stages issued after the error word and
-    the row checks, and before them ("early"; the cp.async loader ignores it)."""
-    gqa_torch._C._set_decode_tiles(request.param)
-    yield request.param
-    gqa_torch._C._set_decode_tiles("auto")
-
-
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("op", ["inplace", "functional"])
-def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader, decode_tiles):
+def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader):
     """Each tensor-core decode loader at every fast head size: rows whose length leaves a short
     last slice in a warp (1, 15, 17, 63 and 65 keys) and one long enough that every pipeline
     stage is reused (2000 keys), a group of 20 query heads (two head chunks, so two CTAs read
@@ -676,17 +668,19 @@ def _cuda_kernel_names(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-@pytest.mark.parametrize("batch,merge", [(8, "kernel"), (8, "auto"), (1, "auto"), (1, "cluster"), (1, "arrival"),
-                                         (8, "arrival"), (1, "kernel")])
-def test_cuda_decode_merge_switch_picks_the_kernels(batch, merge):
+@pytest.mark.parametrize("batch,head_dim,merge", [(8, 128, "kernel"), (8, 128, "auto"), (1, 128, "auto"),
+                                                  (1, 64, "auto"), (1, 128, "cluster"), (1, 128, "arrival"),
+                                                  (1, 64, "arrival"), (8, 128, "arrival"), (1, 128, "kernel")])
+def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge):
     """32/8 heads, B = 8 in 2 splits and B = 1 in 16 (the H200 plan's counts, pinned). "kernel" runs the
-    merge kernel after the decode kernel; every other choice merges in the launch: "auto" pairs of
-    splits in a cluster (where one can run: an sm90 GPU, a 9.0a build) and the rest by the last
-    split to finish, "arrival" always by the last split, "cluster" in a cluster where one can run
-    (else the merge kernel)."""
-    case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=128, capacity=2048,
+    merge kernel after the decode kernel; "arrival" merges in the launch, by the last split to
+    finish; "cluster" in a cluster where one can run (an sm90 GPU, a 9.0a build; else the merge
+    kernel); "auto" pairs of splits in a cluster where one can run, else at head size 128 by the
+    last split, and at head size 64 with the merge kernel."""
+    case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=head_dim, capacity=2048,
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
-    in_launch = merge != "kernel" and (merge != "cluster" or _cluster_merge_available())
+    in_launch = {"kernel": False, "arrival": True, "cluster": _cluster_merge_available(),
+                 "auto": (batch == 8 and _cluster_merge_available()) or head_dim == 128}[merge]
     try:
         gqa_torch._C._set_decode_merge(merge)
         gqa_torch._C._set_decode_split_override(2 if batch == 8 else 16, 0)
@@ -784,10 +778,9 @@ def _graph_decode_replay_50_steps():
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, decode_merge, decode_tiles):
+def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, decode_merge):
     """A bad row among valid ones on the tensor-core decode kernel (fused in place), with each
-    loader, each merge and the first stages issued before or after the checks (early, the bad
-    row's boxes reach past the capacity): no cache byte changes (guard regions included), every output is NaN
+    loader and each merge: no cache byte changes (guard regions included), every output is NaN
     (a bad row anywhere poisons the fused call), a later valid call is NaN too while the word is
     set, and check_errors() raises the capacity flag. Every row takes 2 splits (pinned), which auto
     merges in a cluster: its error path, where every CTA of the cluster meets both barriers."""

@@ -38,9 +38,6 @@ struct Work {
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
   // otherwise. They are zero between calls: the last CTA resets its counter.
   uint32_t* arrivals = nullptr;
-  // Decode with TMA slices: the first stages are issued before the error word and the row
-  // checks (set_decode_tiles, launch.h).
-  int32_t early_tiles = 0;
 };
 
 // ------------------------------------------------------------------------------------------

@@ -227,6 +227,119 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int k0 = vis.lo + split * chunk;
   const int k1 = min(vis.hi, k0 + chunk);
 
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // The error word may be set by the kernel just before: after the wait.
+  const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
+  // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
+  // after the PDL wait (they may be the kernel before's output): their memory round trip
+  // overlaps the error word's, the row checks and the first K/V loads instead of following
+  // them. (Nsight Compute, B1 L1024, TMA loader: the Q units' shared stores waiting on their
+  // loads and the barrier behind them held 16% of the stall samples; the first K/V wait none.)
+  // Not with K in registers (their budget) nor at D = 256 (eight units a thread).
+  constexpr bool kPrefetch = !kRegK && D <= 128;
+  constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
+  constexpr int kQPre = kPrefetch ? (16 * (D / kE) + Cfg::kThreads - 1) / Cfg::kThreads : 1;
+  auto aligned16 = [](const T* row, int64_t stride) {
+    return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
+  };
+  const TokenStrides qs = p.query_strides;
+  const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
+  const bool rope_vec = rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary);
+  const bool q_vec = aligned16(qsrc, qs.head) && rope_vec;
+  const int q_units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);  // also a new key's
+  const T* const ksrc = static_cast<const T*>(p.key) + b * p.key_strides.batch + kvh * p.key_strides.head;
+  const T* const vsrc = static_cast<const T*>(p.value) + b * p.value_strides.batch + kvh * p.value_strides.head;
+  const bool kv_pre = kPrefetch && fused && aligned16(ksrc, 0) && aligned16(vsrc, 0) && rope_vec;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  uint4 q_pre[kQPre][2], k_pre[2] = {zero, zero}, v_pre = zero;
+  if constexpr (kPrefetch) {
+#pragma unroll
+    for (int j = 0; j < kQPre; ++j) {
+      const int i = tid + j * Cfg::kThreads;
+      q_pre[j][0] = q_pre[j][1] = zero;
+      if (q_vec && i < nh * q_units) {
+        const int r = i / q_units;
+        int c0, c1;
+        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, i - r * q_units, c0, c1);
+        const uint4* const row = reinterpret_cast<const uint4*>(qsrc + (h0 + r) * qs.head);
+        q_pre[j][0] = row[c0];
+        if (c1 >= 0) q_pre[j][1] = row[c1];
+      }
+    }
+    if (kv_pre && tid < q_units) {
+      int c0, c1;
+      rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
+      k_pre[0] = reinterpret_cast<const uint4*>(ksrc)[c0];
+      if (c1 >= 0) k_pre[1] = reinterpret_cast<const uint4*>(ksrc)[c1];
+    }
+    if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
+  }
+
+  uint32_t bad = g.flags | word;
+  if (fused) {
+    for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
+      const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
+      uint32_t f = gb.flags;
+      if (f == 0 && p.do_rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
+      if (f != 0) {
+        bad |= f;
+        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
+      }
+    }
+  }
+  if (__syncthreads_or(bad != 0)) {
+    if (split == 0) {
+      for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+        const int r = i / D;
+        out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+      }
+    }
+    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
+    // same for all of them), unless the error word changed between their reads of it (another
+    // stream's call): then they merge, see this status, and write NaN as well.
+    if (w.cluster_merge) {
+      if (tid == 0) x_status = 1u;
+      cluster_idle();
+    }
+    // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
+    // the merge write NaN, should another split have passed its checks).
+    if (w.arrivals != nullptr && active > 1 && split < active) {
+      const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+      for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
+      if (arrive_last(arrival_counter(w, b), active)) {
+        for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+          const int r = i / D;
+          out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+        }
+      }
+    }
+    return;
+  }
+
+  if (split >= active) {
+    if (w.cluster_merge) cluster_idle();
+    return;
+  }
+  const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+  if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
+    if (w.cluster_merge) {
+      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
+      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
+      return;
+    }
+    for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+      const int r = i / D;
+      const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
+      w.partial_out[slot * D + (i - r * D)] = 0.f;
+      if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
+    }
+    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
+      arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
+    return;
+  }
+
   const TokenStrides cs = p.cache_strides;
   const T* kbase = static_cast<const T*>(p.key_cache) + b * cs.batch + kvh * cs.head;
   const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
@@ -293,138 +406,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
   };
 
-  pdl_wait();
-  pdl_launch_dependents();
-
-  // w.early_tiles (the TMA slices): the first stages go out before the error word and the row
-  // checks, so that their memory round trip overlaps those reads. Safe for a bad row too: the
-  // boxes stay in the tensor maps (capacity rows, zero-filled past them), and the error path
-  // waits for them before it returns (a CTA may not exit with copies into its shared memory in
-  // flight). The new key's row may be read stale; it is patched in after the wait either way.
-  const bool early = kTma && w.early_tiles != 0;
-  if (early) {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < ntiles) load_slice(s, s);
-    }
-  }
-
-  // The error word may be set by the kernel just before: after the wait.
-  const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
-  // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
-  // after the PDL wait (they may be the kernel before's output): their memory round trip
-  // overlaps the error word's, the row checks and the first K/V loads instead of following
-  // them. (Nsight Compute, B1 L1024, TMA loader: the Q units' shared stores waiting on their
-  // loads and the barrier behind them held 16% of the stall samples; the first K/V wait none.)
-  // Not with K in registers (their budget) nor at D = 256 (eight units a thread).
-  constexpr bool kPrefetch = !kRegK && D <= 128;
-  constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
-  constexpr int kQPre = kPrefetch ? (16 * (D / kE) + Cfg::kThreads - 1) / Cfg::kThreads : 1;
-  auto aligned16 = [](const T* row, int64_t stride) {
-    return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
-  };
-  const TokenStrides qs = p.query_strides;
-  const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
-  const bool rope_vec = rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary);
-  const bool q_vec = aligned16(qsrc, qs.head) && rope_vec;
-  const int q_units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);  // also a new key's
-  const T* const ksrc = static_cast<const T*>(p.key) + b * p.key_strides.batch + kvh * p.key_strides.head;
-  const T* const vsrc = static_cast<const T*>(p.value) + b * p.value_strides.batch + kvh * p.value_strides.head;
-  const bool kv_pre = kPrefetch && fused && aligned16(ksrc, 0) && aligned16(vsrc, 0) && rope_vec;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  uint4 q_pre[kQPre][2], k_pre[2] = {zero, zero}, v_pre = zero;
-  if constexpr (kPrefetch) {
-#pragma unroll
-    for (int j = 0; j < kQPre; ++j) {
-      const int i = tid + j * Cfg::kThreads;
-      q_pre[j][0] = q_pre[j][1] = zero;
-      if (q_vec && i < nh * q_units) {
-        const int r = i / q_units;
-        int c0, c1;
-        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, i - r * q_units, c0, c1);
-        const uint4* const row = reinterpret_cast<const uint4*>(qsrc + (h0 + r) * qs.head);
-        q_pre[j][0] = row[c0];
-        if (c1 >= 0) q_pre[j][1] = row[c1];
-      }
-    }
-    if (kv_pre && tid < q_units) {
-      int c0, c1;
-      rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
-      k_pre[0] = reinterpret_cast<const uint4*>(ksrc)[c0];
-      if (c1 >= 0) k_pre[1] = reinterpret_cast<const uint4*>(ksrc)[c1];
-    }
-    if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
-  }
-
-  uint32_t bad = g.flags | word;
-  if (fused) {
-    for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
-      const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
-      uint32_t f = gb.flags;
-      if (f == 0 && p.do_rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
-      if (f != 0) {
-        bad |= f;
-        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
-      }
-    }
-  }
-  if (__syncthreads_or(bad != 0)) {
-    if (early && lane == 0) {
-      for (int s = 0; s < kStages - 1; ++s) {
-        if (s < ntiles && slice_keys(s) > 0) mbarrier_wait(slice_bars + 8u * s, 0);
-      }
-    }
-    if (split == 0) {
-      for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-        const int r = i / D;
-        out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
-      }
-    }
-    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
-    // same for all of them), unless the error word changed between their reads of it (another
-    // stream's call): then they merge, see this status, and write NaN as well.
-    if (w.cluster_merge) {
-      if (tid == 0) x_status = 1u;
-      cluster_idle();
-    }
-    // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
-    // the merge write NaN, should another split have passed its checks).
-    if (w.arrivals != nullptr && active > 1 && split < active) {
-      const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
-      for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
-      if (arrive_last(arrival_counter(w, b), active)) {
-        for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-          const int r = i / D;
-          out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
-        }
-      }
-    }
-    return;
-  }
-
-  if (split >= active) {
-    if (w.cluster_merge) cluster_idle();
-    return;
-  }
-  const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
-  if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
-    if (w.cluster_merge) {
-      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
-      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
-      return;
-    }
-    for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-      const int r = i / D;
-      const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
-      w.partial_out[slot * D + (i - r * D)] = 0.f;
-      if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
-    }
-    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
-      arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
-    return;
-  }
-
-
   // kRegK: K goes from memory straight into the mma B fragments of S = Q K^T. The dot product
   // over d does not care about the order of d, so lane q = lane % 4 of key group row lane / 4
   // takes the physical columns u * 32 + q * 8 + (0..7), u < D / 32 (one 16-byte load each, and a
@@ -446,11 +427,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   };
 
   if constexpr (kTma) {
-    if (!early) {
 #pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) {
-        if (s < ntiles) load_slice(s, s);
-      }
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < ntiles) load_slice(s, s);
     }
   } else {
 #pragma unroll
@@ -827,15 +806,14 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: K by plain loads
 // and V by TMA at head sizes 64 and 128 with more CTAs than SMs and 2,048 keys of capacity a
-// split or more, else TMA for both at 128 and 256; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
+// split or more; else TMA for both at 256, and at 128 unless one CTA an SM streams splits under
+// 2,048 keys; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
 // into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
 // a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
 // stream has arrival counters (else the merge kernel).
 extern std::atomic<int> g_decode_merge;
-// set_decode_tiles (launch.cu): 0 auto (after the checks), 1 after the checks, 2 before them.
-extern std::atomic<int> g_decode_tiles;
 
 // Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
 // or the last CTA of each to arrive); otherwise, with several splits, the caller runs the merge
@@ -862,9 +840,14 @@ bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream
   wk.cluster_merge = w.max_splits > 1 && (merge == 0 || merge == 2) && kBuiltSm90a && device_is_sm90() &&
                      (merge == 2 || (w.max_splits <= kAutoMaxCluster && all_resident)) &&
                      cluster_shape_runs<kernel>(w.max_splits, block, smem);
-  // Where no cluster merges, auto takes the arrival merge whenever the stream has counters.
-  if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 0 || merge == 3)) wk.arrivals = nullptr;
-  wk.early_tiles = DecodeCfg<D, kLoader>::kTma && g_decode_tiles.load(std::memory_order_relaxed) == 2;
+  // Where no cluster merges, auto has the last split merge at head size 128 and up to 16
+  // splits: interleaved on an H200 (twenty-first round) it beat the merge kernel by 2-3% at B1
+  // L8192 and L32768 (16 splits) and tied at B1 L1024 and B8 L32768; at 14/2/64 (D = 64, 16
+  // and 66 splits) it lost 10% and 29%, and at 66 splits the last CTA's serial merge is 5 rounds
+  // of loads where the merge kernel spreads them over 14 CTAs.
+  constexpr int kAutoMaxArrivalSplits = 16;
+  const bool auto_arrival = D == 128 && w.max_splits <= kAutoMaxArrivalSplits;
+  if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 3 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
   launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
                           wk, fused ? 1 : 0, maps);
   return wk.cluster_merge != 0 || wk.arrivals != nullptr;
@@ -877,24 +860,27 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
   if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
+  const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * ((p.group_size + 15) / 16) * p.batch;
+  const bool many_ctas = ctas >= static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
+  const bool long_ranges = p.capacity / w.max_splits >= 2048;
   if constexpr (D == 64 || D == 128) {
     // Auto takes K into registers where more CTAs than SMs stream long key ranges (their K loads
     // in flight add up; with one CTA an SM the TMA loader keeps more bytes in flight, and short
     // ranges favour it too). Eleventh H200 round, three runs each: B64 L1024 (1,024 keys a CTA)
     // read 73.0 us with TMA against 76.0 with K in registers; B16 64/8 L8192 (256 CTAs of 4,096
     // keys) 133 with K in registers against 137.
-    const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * ((p.group_size + 15) / 16) * p.batch;
-    const bool many_ctas = ctas >= static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
-    const bool long_ranges = p.capacity / w.max_splits >= 2048;
     if (tma && (pinned == 3 || (pinned == 0 && many_ctas && long_ranges)))
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
-  // With one CTA an SM at D = 64, auto takes cp.async: in three runs of the eleventh H200 round
-  // it read 6% under TMA on both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5
-  // against 13.3); at D = 128 and 256 TMA is as fast or faster.
-  constexpr bool kAutoTma = D != 64;
+  // With one CTA an SM, auto takes cp.async at D = 64, and at D = 128 where the splits are short
+  // (under 2,048 keys of capacity each). Eleventh H200 round, three runs: TMA read 6% slower on
+  // both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5 against 13.3). Twenty-first
+  // round, interleaved, D = 128: TMA read 2.5-3.5% slower at B1 L1024 (8.75 against 8.52), B1
+  // L8192 (17.1 / 16.5) and B8 L1024 (15.7 / 15.3), level at B1 L32768 (2,048 keys a split),
+  // and faster with longer splits (B8 L8192: 71.1 against 73.0) and at D = 256.
+  const bool auto_tma = D == 256 || (D == 128 && (many_ctas || long_ranges));
   if constexpr (D % 64 == 0) {
-    if (tma && (pinned == 2 || kAutoTma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
+    if (tma && (pinned == 2 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
   return launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
 }

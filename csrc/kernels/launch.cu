@@ -21,12 +21,10 @@ namespace cuda {
 namespace detail {
 std::atomic<int> g_decode_loader{0};
 std::atomic<int> g_decode_merge{0};
-std::atomic<int> g_decode_tiles{0};
 }
 
 void set_decode_loader(int loader) { detail::g_decode_loader.store(loader, std::memory_order_relaxed); }
 void set_decode_merge(int merge) { detail::g_decode_merge.store(merge, std::memory_order_relaxed); }
-void set_decode_tiles(int tiles) { detail::g_decode_tiles.store(tiles, std::memory_order_relaxed); }
 
 namespace {
 

@@ -59,11 +59,6 @@ void set_decode_loader(const std::string& loader);
 // finish, wherever the stream has arrival counters). No-op in a CPU-only build.
 void set_decode_merge(const std::string& merge);
 
-// Tests and benchmarks: when the TMA decode loaders issue their first stages, "auto" (the
-// default: see kernels/launch.h), "after_checks" (after the error word and the row checks) or
-// "early" (before them). No-op in a CPU-only build.
-void set_decode_tiles(const std::string& tiles);
-
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

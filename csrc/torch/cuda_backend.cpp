@@ -113,16 +113,6 @@ void set_decode_merge(const std::string& merge) {
 #endif
 }
 
-void set_decode_tiles(const std::string& tiles) {
-  // The index is the tiles code of kernels/launch.h.
-  static const char* const kTiles[] = {"auto", "after_checks", "early"};
-  const int code = switch_code(kTiles, tiles, "decode tiles");
-  (void)code;  // used by a CUDA build only
-#ifdef GQA_WITH_CUDA
-  cuda::set_decode_tiles(code);
-#endif
-}
-
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),

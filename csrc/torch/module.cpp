@@ -36,9 +36,6 @@ PYBIND11_MODULE(_C, m) {
         "inside the launch, pairs of splits through a thread-block cluster where one can run, else by the "
         "last split to finish), \"kernel\" (the merge kernel always), \"cluster\" (a cluster wherever one "
         "can run) or \"arrival\" (the last split to finish, wherever the stream has arrival counters).");
-  m.def("_set_decode_tiles", &gqa::set_decode_tiles, pybind11::arg("tiles"),
-        "Tests and benchmarks: when the TMA decode loaders issue their first stages, \"auto\" (the default), "
-        "\"after_checks\" (after the error word and the row checks) or \"early\" (before them).");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
