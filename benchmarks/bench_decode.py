@@ -28,7 +28,7 @@ DECODE_GRID = [  # B, Hq, Hkv, D, L
 STEP_GRID = [(1, 4096, 1000), (8, 4096, 1000), (8, 32768, 4000), (32, 8192, 8000)]  # B, capacity, length
 DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
-LOADER_COLUMNS = ["cp_async", "tma", "regs_k", "tma_8warps"]
+LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
 
 

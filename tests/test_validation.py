@@ -616,7 +616,7 @@ def test_tuning_switches_name_what_they_expect():
         gqa_torch._C._set_prefill_route("")
     gqa_torch._C._set_prefill_route("wgmma_ws_bn80")
     gqa_torch._C._set_prefill_route("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode loader: expected one of auto, cp_async, tma, regs_k, tma_8warps, got "nope"'):
+    with pytest.raises(ValueError, match=r'gqa: decode loader: expected one of auto, cp_async, tma, regs_k, got "nope"'):
         gqa_torch._C._set_decode_loader("nope")
     gqa_torch._C._set_decode_loader("auto")
     with pytest.raises(ValueError, match=r'gqa: decode merge: expected one of auto, kernel, cluster, arrival, got "dsmem"'):

@@ -37,8 +37,7 @@ namespace detail {
 // shared memory (TMA or cp.async, at any depth, box shape or CTA count) tops out near 4.3 TB/s,
 // plain loads with enough warps near 4.55, and K by loads with V by TMA reached 4.5-4.58 with
 // the decode grid's CTAs and nothing computed (scripts/decode_bw_probe.cu).
-// kLoadTmaWide: kLoadTma with eight warps (128-key stages) at D = 128, for one CTA an SM.
-enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaWide = 3 };
+enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2 };
 
 // Four warps and 64-key stages (two warps and 32-key stages for D = 256). A variant with two
 // warps, 32-key stages and 6-8 stages was measured slower on every decode row (H200).
@@ -48,7 +47,7 @@ template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
   static constexpr bool kTma = kLoader != kLoadCpAsync;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
-  static constexpr int kWarps = kLoader == kLoadTmaWide ? 8 : (D >= 256 ? 2 : 4);
+  static constexpr int kWarps = D >= 256 ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16 * kWarps;  // keys per pipeline stage: 16 per warp
   static constexpr int kStride = D + 8;  // smem row pitch in elements: +16 B makes ldmatrix conflict-free
@@ -156,7 +155,7 @@ __device__ __forceinline__ void cluster_idle() {
 // (kRegK: V only; each lane loads its part of K into registers, see load_k); otherwise the CTA
 // copies whole tiles with cp.async between two barriers a tile.
 template <typename T, int D, int kLoader>
-__global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
+__global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
                       const __grid_constant__ DecodeCacheMaps maps) {
   using Cfg = DecodeCfg<D, kLoader>;
@@ -809,8 +808,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // and V by TMA at head sizes 64 and 128 with more CTAs than SMs and 2,048 keys of capacity a
 // split or more; else TMA for both at 256, and at 128 unless one CTA an SM streams splits under
 // 2,048 keys; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
-// into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 TMA with
-// eight warps a CTA at head size 128, else as auto.
+// into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
 // a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
@@ -824,7 +822,7 @@ template <typename T, int D, int kLoader>
 bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = (p.group_size + 15) / 16;
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
-  const dim3 block(DecodeCfg<D, kLoader>::kThreads);
+  const dim3 block(DecodeCfg<D>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader>;
   constexpr size_t smem = DecodeCfg<D, kLoader>::kSmem;
   ensure_smem<kernel>(smem, "decode_mma_kernel");
@@ -873,9 +871,6 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     // keys) 133 with K in registers against 137.
     if (tma && (pinned == 3 || (pinned == 0 && many_ctas && long_ranges)))
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
-  }
-  if constexpr (D == 128) {
-    if (tma && pinned == 4) return launch_decode_loader<T, D, kLoadTmaWide>(p, w, fused, stream, maps);
   }
   // With one CTA an SM, auto takes cp.async at D = 64, and at D = 128 where the splits are short
   // (under 2,048 keys of capacity each). Eleventh H200 round, three runs: TMA read 6% slower on

@@ -18,9 +18,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // ranges, else TMA onto per-warp mbarriers at 256, and at 128 unless one CTA an SM streams
 // splits under 2,048 keys of capacity; cp.async otherwise), 1 cp.async
 // always, 2 TMA where it can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads
-// into the mma fragments and V by TMA where that can run (head sizes 64 and 128), 4
-// ("tma_8warps") TMA with eight warps a CTA (128-key stages) at head size 128; each of 3 and 4
-// runs as auto where it cannot.
+// into the mma fragments and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (inside

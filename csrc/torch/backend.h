@@ -48,8 +48,8 @@ void set_prefill_timeline(const std::optional<at::Tensor>& records);
 void set_prefill_append(const std::string& append);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader, "auto" (the default: see
-// kernels/launch.h), "cp_async", "tma", "regs_k" or "tma_8warps" (where they can run). No-op in
-// a CPU-only build.
+// kernels/launch.h), "cp_async", "tma" or "regs_k" (where they can run). No-op in a CPU-only
+// build.
 void set_decode_loader(const std::string& loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's key-range splits are merged, "auto"

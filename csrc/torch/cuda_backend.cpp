@@ -95,7 +95,7 @@ void set_prefill_append(const std::string& append) {
 
 void set_decode_loader(const std::string& loader) {
   // The index is the kernel's loader code (kernels/launch.h).
-  static const char* const kLoaders[] = {"auto", "cp_async", "tma", "regs_k", "tma_8warps"};
+  static const char* const kLoaders[] = {"auto", "cp_async", "tma", "regs_k"};
   const int code = switch_code(kLoaders, loader, "decode loader");
   (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA

@@ -29,8 +29,8 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: who appends an in-place prefill's new rows (no RoPE) to the caches, \"auto\" "
         "(the attention kernel, for rows with no past, where it can: the default) or \"prep\" (always prep).");
   m.def("_set_decode_loader", &gqa::set_decode_loader, pybind11::arg("loader"),
-        "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\", \"tma\", "
-        "\"regs_k\" or \"tma_8warps\".");
+        "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\", \"tma\" or "
+        "\"regs_k\".");
   m.def("_set_decode_merge", &gqa::set_decode_merge, pybind11::arg("merge"),
         "Tests and benchmarks: how the decode kernel's key-range splits are merged, \"auto\" (the default: "
         "inside the launch, pairs of splits through a thread-block cluster where one can run, else by the "
