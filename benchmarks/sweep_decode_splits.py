@@ -80,7 +80,7 @@ def main():
                    TBps=kv_bytes / forced[best] / 1e6, plan_us=times["plan"], best_splits=best,
                    best_us=forced[best], gain=times["plan"] / forced[best],
                    all_us=" ".join(f"{k}:{v:.1f}" for k, v in forced.items()))
-        progress(f"B={b} {hq}/{hkv}/{d} L={length}: plan {times['plan']:.1f} us; best {best} splits "
+        progress(f"B={b} {hq}/{hkv}/{d} L={row['L']}: plan {times['plan']:.1f} us; best {best} splits "
                  f"{forced[best]:.1f} us ({row['gain']:.2f}x); {row['all_us']}")
         rows.append(row)
         torch.cuda.empty_cache()
