@@ -741,6 +741,61 @@ def test_cuda_decode_on_two_streams_at_once(merge):
         check_caches(before, case.cache_key, case.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
 
 
+def test_cuda_decode_graph_beside_eager_calls_on_its_capture_stream():
+    """A decode graph captured on stream s1 (16 splits merged by the last to finish) is replayed
+    on stream s2 while eager calls run on s1: the capture took arrival counters of its own, not
+    s1's, so neither side counts the other's splits, and every output and cache matches the
+    reference. (Each replay appends the same row and reads the same keys, so five replays leave
+    what one leaves.)"""
+    gqa_torch._C._set_decode_merge("arrival")
+    gqa_torch._C._set_decode_split_override(16, 1)
+    try:
+        def decode_case(i):
+            return make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=1500,
+                             past_lengths=[1400 - 41 * i, 700 + 29 * i], dtype=torch.bfloat16, device="cuda",
+                             poison_unused=False)
+
+        static = decode_case(0)
+        start_k, start_v = static.cache_key.clone(), static.cache_value.clone()
+
+        def step():
+            return gqa_torch.group_query_attention_(*static.op_args(), **static.attrs)
+
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        s1.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s1):
+            graph_out = step()
+        static.cache_key.copy_(start_k)
+        static.cache_value.copy_(start_v)
+        before_graph = static.clone()
+        eager = [decode_case(i) for i in range(1, 11)]
+        befores = [c.clone() for c in eager]
+        torch.cuda.synchronize()
+        outs = []
+        for i, case in enumerate(eager):
+            if i % 2 == 0:
+                with torch.cuda.stream(s2):
+                    graph.replay()
+            with torch.cuda.stream(s1):
+                outs.append(case.run())
+        torch.cuda.synchronize()
+    finally:
+        gqa_torch._C._set_decode_merge("auto")
+        gqa_torch._C._set_decode_split_override(0, 0)
+    gqa_torch.check_errors()
+    ref_out, ref_k, ref_v = before_graph.reference()
+    assert_output_close(graph_out, ref_out, before_graph, suite="cuda_graph")
+    check_caches(before_graph, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+    for out, case, before in zip(outs, eager, befores):
+        ref_out, ref_k, ref_v = before.reference()
+        assert_output_close(out, ref_out, before, suite="cuda")
+        check_caches(before, case.cache_key, case.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
 def _graph_decode_replay_50_steps():
     B, Hq, Hkv, D, C = 3, 8, 2, 64, 96
     rng = random.Random(5)

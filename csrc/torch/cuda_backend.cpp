@@ -145,16 +145,22 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 // The decode kernel's arrival counters (decode_arrival.cuh) sit after the error word in the same
-// allocation: kArrivalLanes lanes of kArrivalSlots counters. A stream takes the next free lane
-// the first time it runs a call, and keeps it, so two streams never share counters; a call on a
-// stream past the last lane, or with more (row, kv head, head chunk) slots than a lane holds,
-// merges its splits with the merge kernel instead. Graphs keep the lane of their capture stream.
-constexpr int kArrivalLanes = 64;
-constexpr int kArrivalSlots = 4096;
+// allocation: kArrivalLanes lanes of kArrivalSlots counters. Each stream takes the next free lane
+// the first time it runs a call, and keeps it, and so does each graph capture (by its capture
+// id): two streams never share counters, and neither do a graph and the eager calls on the
+// stream it was captured on, nor two graphs. (Replaying one graph on two streams at once shares
+// its counters, as it shares its workspace.) A call past the last lane, or with more (row, kv
+// head, head chunk) slots than a lane holds, merges its splits with the merge kernel instead.
+constexpr int kArrivalLanes = 256;
+constexpr int kArrivalSlots = 2048;
 constexpr size_t kWordBytes = 256;
 std::mutex g_word_mutex;
 uint32_t* g_words[kMaxDevices] = {};
-std::vector<cudaStream_t> g_lane_streams[kMaxDevices];
+struct LaneOwner {
+  cudaStream_t stream;
+  unsigned long long capture_id;  // 0: eager calls on the stream
+};
+std::vector<LaneOwner> g_lane_owners[kMaxDevices];
 
 void check_cuda(cudaError_t status, const char* what) {
   TORCH_CHECK(status == cudaSuccess, "gqa: ", what, " failed: ", cudaGetErrorString(status));
@@ -187,16 +193,20 @@ uint32_t* device_word(int device, cudaStream_t stream) {
   return g_words[device];
 }
 
-// This stream's lane of arrival counters on `device` (whose word device_word allocated), or
-// null when every lane is taken.
+// The lane of arrival counters on `device` (whose word device_word allocated) of this stream,
+// or of the capture under way on it; null when every lane is taken.
 uint32_t* arrival_lane(int device, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long capture_id = 0;
+  check_cuda(cudaStreamGetCaptureInfo(stream, &status, &capture_id), "cudaStreamGetCaptureInfo");
+  if (status != cudaStreamCaptureStatusActive) capture_id = 0;
   std::lock_guard<std::mutex> lock(g_word_mutex);
-  std::vector<cudaStream_t>& streams = g_lane_streams[device];
+  std::vector<LaneOwner>& owners = g_lane_owners[device];
   size_t lane = 0;
-  while (lane < streams.size() && streams[lane] != stream) ++lane;
-  if (lane == streams.size()) {
+  while (lane < owners.size() && !(owners[lane].stream == stream && owners[lane].capture_id == capture_id)) ++lane;
+  if (lane == owners.size()) {
     if (lane == kArrivalLanes) return nullptr;
-    streams.push_back(stream);
+    owners.push_back(LaneOwner{stream, capture_id});
   }
   return g_words[device] + kWordBytes / sizeof(uint32_t) + lane * kArrivalSlots;
 }
