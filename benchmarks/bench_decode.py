@@ -92,8 +92,8 @@ def decode_table(args):
         ks, vs = [c[0] for c in caches], [c[1] for c in caches]
         # Every column interleaved (common.time_graphs_interleaved), so that their ratios do not
         # carry the clocks' drift over the run: ours (auto), SDPA flash and cuDNN, and ours with
-        # each of the decode kernel's loaders and merges pinned (a switch is
-        # read when the call is enqueued, so each graph keeps the one set at its capture).
+        # each of the decode kernel's loaders and merges pinned (a switch is read when the call
+        # is enqueued, so each graph keeps the one set at its capture).
         steps = {"ours": ours, "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
                  "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
         for switch, values, prefix in ((gqa_torch._C._set_decode_loader, LOADER_COLUMNS, ""),

@@ -11,6 +11,7 @@ in the caches must be byte-identical.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -668,6 +669,28 @@ def _cuda_kernel_names(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+@contextlib.contextmanager
+def _decode_pinned(merge="auto", max_splits=0, min_split_keys=0):
+    """The decode merge and the plan's split counts pinned inside the block (0: the plan's), and
+    both given back to auto afterwards whatever happens."""
+    gqa_torch._C._set_decode_merge(merge)
+    gqa_torch._C._set_decode_split_override(max_splits, min_split_keys)
+    try:
+        yield
+    finally:
+        gqa_torch._C._set_decode_merge("auto")
+        gqa_torch._C._set_decode_split_override(0, 0)
+
+
+def _assert_each_matches_reference(outs, cases, befores):
+    """Each in-place decode output, and its case's caches, against the float64 reference of the
+    case's state before the call."""
+    for out, case, before in zip(outs, cases, befores):
+        ref_out, ref_k, ref_v = before.reference()
+        assert_output_close(out, ref_out, before, suite="cuda")
+        check_caches(before, case.cache_key, case.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
 @pytest.mark.parametrize("batch,head_dim,merge", [(8, 128, "kernel"), (8, 128, "auto"), (1, 128, "auto"),
                                                   (1, 64, "auto"), (1, 128, "cluster"), (1, 128, "arrival"),
                                                   (1, 64, "arrival"), (8, 128, "arrival"), (1, 128, "kernel")])
@@ -681,13 +704,8 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge):
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
     in_launch = {"kernel": False, "arrival": True, "cluster": _cluster_merge_available(),
                  "auto": (batch == 8 and _cluster_merge_available()) or head_dim == 128}[merge]
-    try:
-        gqa_torch._C._set_decode_merge(merge)
-        gqa_torch._C._set_decode_split_override(2 if batch == 8 else 16, 0)
+    with _decode_pinned(merge, 2 if batch == 8 else 16):
         names = _cuda_kernel_names(lambda: case.clone().run())
-    finally:
-        gqa_torch._C._set_decode_merge("auto")
-        gqa_torch._C._set_decode_split_override(0, 0)
     if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
         pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
     assert any("decode_mma_kernel" in n for n in names), names
@@ -701,13 +719,8 @@ def test_cuda_graph_decode_replay_50_steps(merge, max_splits):
     plan's splits (2 here; auto merges them in a cluster where one can run) and with the splits
     merged by the last one to finish, in 2 and in up to 5 splits (the captured arrival counters
     must be zero again after every replay)."""
-    gqa_torch._C._set_decode_merge(merge)
-    gqa_torch._C._set_decode_split_override(max_splits, 1 if max_splits else 0)
-    try:
+    with _decode_pinned(merge, max_splits, 1 if max_splits else 0):
         _graph_decode_replay_50_steps()
-    finally:
-        gqa_torch._C._set_decode_merge("auto")
-        gqa_torch._C._set_decode_split_override(0, 0)
 
 
 @pytest.mark.parametrize("merge", ["auto", "arrival"])
@@ -723,22 +736,14 @@ def test_cuda_decode_on_two_streams_at_once(merge):
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for st in streams:
         st.wait_stream(torch.cuda.current_stream())
-    gqa_torch._C._set_decode_merge(merge)
-    gqa_torch._C._set_decode_split_override(16, 1)
-    try:
+    with _decode_pinned(merge, 16, 1):
         outs = []
         for i, case in enumerate(cases):
             with torch.cuda.stream(streams[i % 2]):
                 outs.append(case.run())
         torch.cuda.synchronize()
-    finally:
-        gqa_torch._C._set_decode_merge("auto")
-        gqa_torch._C._set_decode_split_override(0, 0)
     gqa_torch.check_errors()
-    for out, case, before in zip(outs, cases, befores):
-        ref_out, ref_k, ref_v = before.reference()
-        assert_output_close(out, ref_out, before, suite="cuda")
-        check_caches(before, case.cache_key, case.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+    _assert_each_matches_reference(outs, cases, befores)
 
 
 def test_cuda_decode_graph_beside_eager_calls_on_its_capture_stream():
@@ -747,9 +752,7 @@ def test_cuda_decode_graph_beside_eager_calls_on_its_capture_stream():
     s1's, so neither side counts the other's splits, and every output and cache matches the
     reference. (Each replay appends the same row and reads the same keys, so five replays leave
     what one leaves.)"""
-    gqa_torch._C._set_decode_merge("arrival")
-    gqa_torch._C._set_decode_split_override(16, 1)
-    try:
+    with _decode_pinned("arrival", 16, 1):
         def decode_case(i):
             return make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=1500,
                              past_lengths=[1400 - 41 * i, 700 + 29 * i], dtype=torch.bfloat16, device="cuda",
@@ -783,17 +786,11 @@ def test_cuda_decode_graph_beside_eager_calls_on_its_capture_stream():
             with torch.cuda.stream(s1):
                 outs.append(case.run())
         torch.cuda.synchronize()
-    finally:
-        gqa_torch._C._set_decode_merge("auto")
-        gqa_torch._C._set_decode_split_override(0, 0)
     gqa_torch.check_errors()
     ref_out, ref_k, ref_v = before_graph.reference()
     assert_output_close(graph_out, ref_out, before_graph, suite="cuda_graph")
     check_caches(before_graph, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
-    for out, case, before in zip(outs, eager, befores):
-        ref_out, ref_k, ref_v = before.reference()
-        assert_output_close(out, ref_out, before, suite="cuda")
-        check_caches(before, case.cache_key, case.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+    _assert_each_matches_reference(outs, eager, befores)
 
 
 def _graph_decode_replay_50_steps():

@@ -16,18 +16,17 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
 // sm90a build: "regs_k" at head sizes 64 and 128 where more CTAs than SMs stream long key
 // ranges, else TMA onto per-warp mbarriers at 256, and at 128 unless one CTA an SM streams
-// splits under 2,048 keys of capacity; cp.async otherwise), 1 cp.async
-// always, 2 TMA where it can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads
-// into the mma fragments and V by TMA where that can run (head sizes 64 and 128).
+// splits under 2,048 keys of capacity; cp.async otherwise), 1 cp.async always, 2 TMA where it
+// can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads into the mma fragments
+// and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (inside
 // the launch: through a thread-block cluster of the splits when they are two and every CTA of
 // the launch is resident at once, on an sm90 device in an sm90a build; else, at head size 128
 // and up to 16 splits, by the last split CTA to finish, where the stream has arrival counters;
-// else the merge kernel), 1 the merge
-// kernel always, 2 a cluster wherever one can run (at most 16 splits), 3 the last CTA to finish
-// wherever the stream has arrival counters.
+// else the merge kernel), 1 the merge kernel always, 2 a cluster wherever one can run (at most
+// 16 splits), 3 the last CTA to finish wherever the stream has arrival counters.
 void set_decode_merge(int merge);
 
 }  // namespace cuda
