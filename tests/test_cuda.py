@@ -571,8 +571,7 @@ def test_cuda_decode(dtype, batch, past, op, decode_merge):
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build "regs_k" or TMA, and cp.async with one CTA an SM at head size 64, and at 128 with
-    short splits), so that every
-    loader stays tested there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and
+    short splits), so that every loader stays tested there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and
     128; elsewhere it runs as auto."""
     if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
