@@ -59,13 +59,13 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     w.partial_lse = reinterpret_cast<float*>(ws + plan.workspace.partial_lse);
   }
   const bool tc = tensor_core_path(p);
-  // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
-  // stream has enough of them (decode_arrival.cuh).
-  const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * ((p.group_size + 15) / 16);
-  if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots)
-    w.arrivals = p.arrival_counters;
 
   if (plan.route == Route::kDecode) {
+    // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
+    // stream has enough of them (decode_arrival.cuh).
+    const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * ((p.group_size + 15) / 16);
+    if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots)
+      w.arrivals = p.arrival_counters;
     const bool fused = tc && p.inplace;
     if (!fused) detail::launch_prep(p, /*check_positions=*/true, stream);
     bool merged = false;
