@@ -30,6 +30,8 @@ DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
+# The decode kernel's schedules pinned (auto takes the balanced one where the plan offers it).
+SCHEDULE_COLUMNS = ["rows", "balanced"]
 
 
 def pinned(step, switch, value):
@@ -97,7 +99,8 @@ def decode_table(args):
         steps = {"ours": ours, "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs),
                  "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
         for switch, values, prefix in ((gqa_torch._C._set_decode_loader, LOADER_COLUMNS, ""),
-                                       (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_")):
+                                       (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_"),
+                                       (gqa_torch._C._set_decode_schedule, SCHEDULE_COLUMNS, "schedule_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
         times = time_graphs_interleaved(steps, n)
@@ -147,19 +150,20 @@ def ragged_table():
                                              num_heads=hq, kv_num_heads=hkv)
 
         head = time_graphs_interleaved({"ours": ours,
+                                        "schedule_rows": pinned(ours, gqa_torch._C._set_decode_schedule, "rows"),
                                         "cudnn_mask": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs, mask),
                                         "eff_mask": sdpa_step(SDPBackend.EFFICIENT_ATTENTION, qs, ks, vs, mask),
                                         "flash_full": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}, n)
-        t_ours, t_cudnn_mask, t_eff_mask, t_flash_full = (head["ours"], head["cudnn_mask"], head["eff_mask"],
-                                                          head["flash_full"])
+        t_ours, t_rows, t_cudnn_mask, t_eff_mask, t_flash_full = (
+            head["ours"], head["schedule_rows"], head["cudnn_mask"], head["eff_mask"], head["flash_full"])
         masked = min(t for t in (t_cudnn_mask, t_eff_mask, t_flash_full) if t == t)
         row = dict(B=b, capacity=capacity, mean_len=float(lengths.float().mean()), valid_MB=valid_bytes / 1e6,
-                   ours_us=t_ours, sdpa_cudnn_mask_us=t_cudnn_mask, sdpa_efficient_mask_us=t_eff_mask,
+                   ours_us=t_ours, ours_rows_schedule_us=t_rows, sdpa_cudnn_mask_us=t_cudnn_mask, sdpa_efficient_mask_us=t_eff_mask,
                    sdpa_flash_full_capacity_us=t_flash_full, speedup_vs_best=masked / t_ours,
                    capacity_over_mean=capacity / float(lengths.float().mean()),
                    floor_us=valid_bytes / (HBM_DATASHEET_TBS * 1e6),
                    pct_of_4_8TBps=100 * valid_bytes / t_ours / 1e6 / HBM_DATASHEET_TBS)
-        progress(f"    ours {t_ours:.1f} us | cudnn+mask {t_cudnn_mask:.1f} | flash full {t_flash_full:.1f} | "
+        progress(f"    ours {t_ours:.1f} us (rows schedule {t_rows:.1f}) | cudnn+mask {t_cudnn_mask:.1f} | flash full {t_flash_full:.1f} | "
                  f"{row['speedup_vs_best']:.2f}x (capacity/mean {row['capacity_over_mean']:.2f})")
         rows.append(row)
         del ks, vs, qs, q_bsh

@@ -29,5 +29,12 @@ void set_decode_loader(int loader);
 // 16 splits), 3 the last CTA to finish wherever the stream has arrival counters.
 void set_decode_merge(int merge);
 
+// Tests and benchmarks: how the tensor-core decode kernel's splits are laid over the batch.
+// 0 auto (the balanced schedule where the plan offers it, Plan::balanced: two rows or more and
+// more CTAs than SMs), 1 rows (each row up to max_splits splits of its own length), 2 balanced
+// wherever it can run (splits of about the same length dealt over the rows, merged by the last
+// split to arrive: where the stream has arrival counters). Neither applies to the generic kernel.
+void set_decode_schedule(int schedule);
+
 }  // namespace cuda
 }  // namespace gqa

@@ -59,6 +59,12 @@ void set_decode_loader(const std::string& loader);
 // finish, wherever the stream has arrival counters). No-op in a CPU-only build.
 void set_decode_merge(const std::string& merge);
 
+// Tests and benchmarks: how the tensor-core decode kernel's splits are laid over the batch,
+// "auto" (the default: see kernels/launch.h), "rows" (each row its own splits) or "balanced"
+// (splits of about the same length dealt over the rows, wherever the last split can merge
+// them). No-op in a CPU-only build.
+void set_decode_schedule(const std::string& schedule);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

@@ -113,6 +113,16 @@ void set_decode_merge(const std::string& merge) {
 #endif
 }
 
+void set_decode_schedule(const std::string& schedule) {
+  // The index is the schedule code of kernels/launch.h.
+  static const char* const kSchedules[] = {"auto", "rows", "balanced"};
+  const int code = switch_code(kSchedules, schedule, "decode schedule");
+  (void)code;  // used by a CUDA build only
+#ifdef GQA_WITH_CUDA
+  cuda::set_decode_schedule(code);
+#endif
+}
+
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),
