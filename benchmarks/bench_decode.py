@@ -31,7 +31,7 @@ DTYPE = torch.bfloat16
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
 # The decode kernel's schedules pinned (auto takes the balanced one where the plan offers it).
-SCHEDULE_COLUMNS = ["rows", "balanced"]
+SCHEDULE_COLUMNS = ["rows", "balanced", "longest_first"]
 
 
 def pinned(step, switch, value):
@@ -149,21 +149,25 @@ def ragged_table():
             gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, ks[i], vs[i], seqlens,
                                              num_heads=hq, kv_num_heads=hkv)
 
-        head = time_graphs_interleaved({"ours": ours,
-                                        "schedule_rows": pinned(ours, gqa_torch._C._set_decode_schedule, "rows"),
-                                        "cudnn_mask": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs, mask),
-                                        "eff_mask": sdpa_step(SDPBackend.EFFICIENT_ATTENTION, qs, ks, vs, mask),
-                                        "flash_full": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}, n)
-        t_ours, t_rows, t_cudnn_mask, t_eff_mask, t_flash_full = (
-            head["ours"], head["schedule_rows"], head["cudnn_mask"], head["eff_mask"], head["flash_full"])
+        steps = {"ours": ours,
+                 "cudnn_mask": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs, mask),
+                 "eff_mask": sdpa_step(SDPBackend.EFFICIENT_ATTENTION, qs, ks, vs, mask),
+                 "flash_full": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}
+        for value in SCHEDULE_COLUMNS:
+            steps["schedule_" + value] = pinned(ours, gqa_torch._C._set_decode_schedule, value)
+        head = time_graphs_interleaved(steps, n)
+        t_ours, t_cudnn_mask, t_eff_mask, t_flash_full = (head["ours"], head["cudnn_mask"], head["eff_mask"],
+                                                          head["flash_full"])
+        t_schedules = {k: v for k, v in head.items() if k.startswith("schedule_")}
         masked = min(t for t in (t_cudnn_mask, t_eff_mask, t_flash_full) if t == t)
         row = dict(B=b, capacity=capacity, mean_len=float(lengths.float().mean()), valid_MB=valid_bytes / 1e6,
-                   ours_us=t_ours, ours_rows_schedule_us=t_rows, sdpa_cudnn_mask_us=t_cudnn_mask, sdpa_efficient_mask_us=t_eff_mask,
+                   ours_us=t_ours, **{f"{k}_us": t for k, t in t_schedules.items()}, sdpa_cudnn_mask_us=t_cudnn_mask, sdpa_efficient_mask_us=t_eff_mask,
                    sdpa_flash_full_capacity_us=t_flash_full, speedup_vs_best=masked / t_ours,
                    capacity_over_mean=capacity / float(lengths.float().mean()),
                    floor_us=valid_bytes / (HBM_DATASHEET_TBS * 1e6),
                    pct_of_4_8TBps=100 * valid_bytes / t_ours / 1e6 / HBM_DATASHEET_TBS)
-        progress(f"    ours {t_ours:.1f} us (rows schedule {t_rows:.1f}) | cudnn+mask {t_cudnn_mask:.1f} | flash full {t_flash_full:.1f} | "
+        others = ", ".join(f"{k} {t:.1f}" for k, t in t_schedules.items())
+        progress(f"    ours {t_ours:.1f} us ({others}) | cudnn+mask {t_cudnn_mask:.1f} | flash full {t_flash_full:.1f} | "
                  f"{row['speedup_vs_best']:.2f}x (capacity/mean {row['capacity_over_mean']:.2f})")
         rows.append(row)
         del ks, vs, qs, q_bsh
@@ -236,7 +240,8 @@ def main():
     out = []
     if args.only in (None, "decode"):
         rows = decode_table(args)
-        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+        cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS],
+                *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],
@@ -244,7 +249,8 @@ def main():
                   "SDPA cuDNN": [r["sdpa_cudnn_us"] for r in rows]}, "µs (lower is better)", "Decode, bf16, H200")
     if args.only in (None, "ragged"):
         rows = ragged_table()
-        cols = ["B", "capacity", "mean_len", "valid_MB", "ours_us", "sdpa_cudnn_mask_us", "sdpa_efficient_mask_us",
+        cols = ["B", "capacity", "mean_len", "valid_MB", "ours_us", *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS],
+                "sdpa_cudnn_mask_us", "sdpa_efficient_mask_us",
                 "sdpa_flash_full_capacity_us", "speedup_vs_best", "capacity_over_mean", "floor_us", "pct_of_4_8TBps"]
         out.append(write_tables("decode_ragged", meta, rows, cols, "Ragged decode"))
     if args.only in (None, "step"):

@@ -58,13 +58,16 @@ def main():
     parser.add_argument("--splits", type=int, nargs="+", default=SPLITS)
     parser.add_argument("--loader", default="auto", help="the decode loader to pin (auto, cp_async, tma, regs_k)")
     parser.add_argument("--merge", default="auto", help="the decode merge to pin (auto, kernel, cluster, arrival)")
-    parser.add_argument("--rows", type=int, nargs="+", default=None, help="indices into the decode grid (default: all)")
+    parser.add_argument("--rows", type=int, nargs="*", default=None,
+                        help="indices into the decode grid (default: all; none with --ragged: the ragged rows only)")
+    parser.add_argument("--schedule", default="auto", help="the decode schedule to pin (auto, rows, balanced, longest_first)")
     parser.add_argument("--ragged", action="store_true", help="also the ragged rows of bench_decode.py")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
     gqa_torch._C._set_decode_loader(args.loader)
     gqa_torch._C._set_decode_merge(args.merge)
+    gqa_torch._C._set_decode_schedule(args.schedule)
     rows = []
     grid = [DECODE_GRID[i] for i in args.rows] if args.rows is not None else DECODE_GRID
     grid = [(*row, None) for row in grid]
@@ -72,6 +75,9 @@ def main():
         for b, capacity in RAGGED_ROWS:  # the lengths bench_decode.ragged_table draws
             lengths = torch.randint(256, capacity + 1, (b,), generator=torch.Generator().manual_seed(b))
             grid.append((b, 32, 8, 128, capacity, lengths))
+            # The same bytes in rows of equal length: what the ragged row would take if its
+            # work spread evenly.
+            grid.append((b, 32, 8, 128, int(lengths.float().mean()), None))
     for b, hq, hkv, d, length, lengths in grid:
         times, kv_bytes = sweep_row(b, hq, hkv, d, length, args.splits, lengths)
         forced = {k: v for k, v in times.items() if k != "plan"}
@@ -86,8 +92,9 @@ def main():
         torch.cuda.empty_cache()
     gqa_torch._C._set_decode_loader("auto")
     gqa_torch._C._set_decode_merge("auto")
+    gqa_torch._C._set_decode_schedule("auto")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16", loader=args.loader,
-                merge=args.merge,
+                merge=args.merge, schedule=args.schedule,
                 timing="median of CUDA-graph replays, inputs rotated beyond L2")
     print(write_tables("sweep_decode_splits", meta, rows,
                        ["B", "heads", "L", "plan_us", "best_splits", "best_us", "TBps", "gain", "all_us"],

@@ -668,7 +668,7 @@ def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("schedule", ["auto", "rows"])
+@pytest.mark.parametrize("schedule", ["auto", "rows", "longest_first"])
 def test_cuda_decode_ragged_batch_schedules(dtype, schedule):
     """A ragged batch of 48 rows of 8 kv heads (384 CTAs at one split a row, more than any
     GPU's SMs), where the plan offers the balanced schedule and auto takes it: one row near the

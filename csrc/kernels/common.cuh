@@ -34,6 +34,9 @@ struct Work {
   // head chunk) aims at over the whole batch; the grid's x dimension then deals them, and its z
   // dimension is 1. 0: max_splits a row, the grid's x the row's split and z the row.
   int32_t balanced_items = 0;
+  // Decode on tensor cores, the row schedule: the grid's rows taken longest first
+  // (decode_schedule.cuh).
+  int32_t longest_first = 0;
   // Decode on tensor cores: the grid's x dimension (the splits) is one thread-block cluster, and
   // its CTAs merge their partial outputs through distributed shared memory, so no merge kernel
   // runs and partial_out / partial_lse are not used (decode_mma.cuh).

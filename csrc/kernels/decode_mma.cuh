@@ -191,6 +191,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   if (w.balanced_items > 0) {
     item = balanced_item<Cfg::kThreads>(p, w, static_cast<int>(blockIdx.x));
     if (item.row < 0) return;
+  } else if (w.longest_first) {
+    item.row = longest_first_row<Cfg::kThreads>(p, item.row);
   }
   const int split = item.split;
   const int G = p.group_size;

@@ -90,6 +90,32 @@ __device__ DecodeItem balanced_item(const Params& p, const Work& w, int item) {
   return DecodeItem{claim.x, claim.y, claim.z};
 }
 
+// The row schedule with the rows taken longest first (Work::longest_first): grid row `rank` is
+// the batch row of that rank in decreasing visible length (ties in row order), so that the
+// longest rows' CTAs are dispatched first and the short ones fill in behind them. Called by
+// every thread of the CTA (it synchronises); batches of more rows than threads keep row order.
+template <int kThreads>
+__device__ int longest_first_row(const Params& p, int rank) {
+  __shared__ int row_keys[kThreads];
+  __shared__ int claim;
+  if (p.batch > kThreads) return rank;
+  const int tid = threadIdx.x;
+  if (tid == 0) claim = rank;
+  const int mine = tid < p.batch ? schedule_row_keys(p, tid) : -1;
+  row_keys[tid] = mine;
+  __syncthreads();
+  if (tid < p.batch) {
+    int before = 0;
+    for (int j = 0; j < p.batch; ++j) {
+      const int k = row_keys[j];
+      before += k > mine || (k == mine && j < tid);
+    }
+    if (before == rank) claim = tid;
+  }
+  __syncthreads();
+  return claim;
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace gqa

@@ -68,6 +68,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     w.balanced_items = p.batch * plan.max_splits;
     w.max_splits = plan.split_slots;
   }
+  w.longest_first = tc && schedule == 3;
   if (w.max_splits > 128) throw std::runtime_error("gqa: internal error: at most 128 splits are supported");
   if (w.max_splits > 1) {
     w.partial_out = reinterpret_cast<float*>(ws + plan.workspace.partial_out);
