@@ -3,8 +3,9 @@
 For every row, the in-place op (append + attention, bf16, CUDA-graph replays, inputs rotated
 beyond L2) is timed with the plan's own choice, then with each forced ``max_splits`` (and the
 smallest split lowered so that the forced count is really used), with the loader `--loader`
-pins and the merge `--merge` pins (default: auto's choices). `--ragged` adds the ragged rows of
-bench_decode.py (rows of lengths uniform in [256, capacity]). Prints, per row, the plan's
+pins, the merge `--merge` pins and the row order `--schedule` pins (default: auto's choices).
+`--ragged` adds the ragged rows of bench_decode.py (rows of lengths uniform in [256,
+capacity]), each followed by a batch of equal rows holding the same keys. Prints, per row, the plan's
 time, the best forced setting and its time, so the plan's heuristic can be checked against
 measurements. Writes benchmarks/results/sweep_decode_splits.{json,md}.
 """
@@ -60,7 +61,7 @@ def main():
     parser.add_argument("--merge", default="auto", help="the decode merge to pin (auto, kernel, cluster, arrival)")
     parser.add_argument("--rows", type=int, nargs="*", default=None,
                         help="indices into the decode grid (default: all; none with --ragged: the ragged rows only)")
-    parser.add_argument("--schedule", default="auto", help="the decode schedule to pin (auto, rows, balanced, longest_first)")
+    parser.add_argument("--schedule", default="auto", help="the decode row order to pin (auto, rows, longest_first)")
     parser.add_argument("--ragged", action="store_true", help="also the ragged rows of bench_decode.py")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"

@@ -542,22 +542,16 @@ def _cluster_merge_available():
     return torch.cuda.get_device_capability()[0] == 9 and "9.0a" in gqa_torch.build_info()["cuda_archs"]
 
 
-@pytest.fixture(params=["auto", "kernel", "cluster", "arrival", "balanced"])
+@pytest.fixture(params=["auto", "kernel", "cluster", "arrival"])
 def decode_merge(request):
     """Runs the test with each way of merging the tensor-core decode kernel's splits: "auto"
     (inside the launch: through a thread-block cluster for pairs of splits on an sm90 GPU in a
     9.0a build, else by the last split to finish), "kernel" (the merge kernel), "cluster" (a
     cluster wherever one can run, up to 16 splits) and "arrival" (the last split CTA to finish,
-    on any GPU); and "balanced": the balanced schedule pinned (splits of about the same length
-    dealt over the batch's rows, so a long row takes more of them than a short one), whose
-    splits the last to finish merges."""
-    if request.param == "balanced":
-        gqa_torch._C._set_decode_schedule("balanced")
-    else:
-        gqa_torch._C._set_decode_merge(request.param)
+    on any GPU)."""
+    gqa_torch._C._set_decode_merge(request.param)
     yield request.param
     gqa_torch._C._set_decode_merge("auto")
-    gqa_torch._C._set_decode_schedule("auto")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -667,28 +661,28 @@ def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
         gqa_torch._C._set_decode_split_override(0, 0)
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("schedule", ["auto", "rows", "longest_first"])
-def test_cuda_decode_ragged_batch_schedules(dtype, schedule):
+@pytest.mark.parametrize("dtype,schedule,merge,max_splits", [
+    ("fp16", "auto", "auto", 0), ("bf16", "auto", "auto", 0), ("bf16", "rows", "auto", 0),
+    ("fp16", "longest_first", "auto", 3), ("bf16", "longest_first", "kernel", 3),
+    ("bf16", "longest_first", "cluster", 2), ("bf16", "longest_first", "arrival", 5)])
+def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits):
     """A ragged batch of 48 rows of 8 kv heads (384 CTAs at one split a row, more than any
-    GPU's SMs), where the plan offers the balanced schedule and auto takes it: one row near the
-    capacity among rows of 1 to 301 keys, so the long row takes the most splits the plan allows
-    (4) and most short ones one. The row schedule is pinned on the same batches. Every feature,
-    both ops and layouts, head sizes 64, 128 and 256."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = gqa_torch._C._decode_plan(48, 32, 8, 1100, sms)
-    assert plan["balanced"] and plan["max_splits"] == 1 and plan["split_slots"] == 4, plan
-    gqa_torch._C._set_decode_schedule(schedule)
-    try:
+    GPU's SMs), where the plan takes the rows longest first: rows of 1 to 301 keys, one near
+    the capacity and a tie of two long ones. Auto (longest first, one split a row), row order
+    pinned, and longest first pinned with 2 to 5 splits merged every way, so that each merge
+    finds its row's partials where the reordered CTAs left them. Every feature, both ops and
+    layouts, head sizes 64, 128 and 256."""
+    plan = gqa_torch._C._decode_plan(48, 32, 8, 1100, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert plan["longest_first"] and plan["max_splits"] == 1, plan
+    with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
         for i, feat in enumerate(FEATURE_CYCLE):
             rng = random.Random(100 + i)
-            past = [1090] + [rng.randint(0, 300) for _ in range(47)]
+            past = [rng.randint(0, 300) for _ in range(48)]
+            past[5], past[17], past[40] = 1090, 700, 700
             case = make_case(["inplace", "functional"][i % 2], batch=48, seq=1, num_heads=32, kv_num_heads=8,
                              head_dim=[64, 128, 256][i % 3], capacity=1100, past_lengths=past, dtype=DTYPES[dtype],
                              layout=i % 2, **feat)
             _run_cuda_and_cpu(case)
-    finally:
-        gqa_torch._C._set_decode_schedule("auto")
 
 
 def _cuda_kernel_names(call):
@@ -699,14 +693,11 @@ def _cuda_kernel_names(call):
 
 
 @contextlib.contextmanager
-def _decode_pinned(merge="auto", max_splits=0, min_split_keys=0):
-    """The decode merge and the plan's split counts pinned inside the block (0: the plan's), and
-    both given back to auto afterwards whatever happens. merge="balanced" pins the balanced
-    schedule instead (its splits merged by the last to finish)."""
-    if merge == "balanced":
-        gqa_torch._C._set_decode_schedule("balanced")
-    else:
-        gqa_torch._C._set_decode_merge(merge)
+def _decode_pinned(merge="auto", max_splits=0, min_split_keys=0, schedule="auto"):
+    """The decode merge, row order and the plan's split counts pinned inside the block (0: the
+    plan's), and all given back to auto afterwards whatever happens."""
+    gqa_torch._C._set_decode_merge(merge)
+    gqa_torch._C._set_decode_schedule(schedule)
     gqa_torch._C._set_decode_split_override(max_splits, min_split_keys)
     try:
         yield
@@ -727,18 +718,16 @@ def _assert_each_matches_reference(outs, cases, befores):
 
 @pytest.mark.parametrize("batch,head_dim,merge", [(8, 128, "kernel"), (8, 128, "auto"), (1, 128, "auto"),
                                                   (1, 64, "auto"), (1, 128, "cluster"), (1, 128, "arrival"),
-                                                  (1, 64, "arrival"), (8, 128, "arrival"), (1, 128, "kernel"),
-                                                  (8, 64, "balanced"), (1, 64, "balanced")])
+                                                  (1, 64, "arrival"), (8, 128, "arrival"), (1, 128, "kernel")])
 def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge):
     """32/8 heads, B = 8 in 2 splits and B = 1 in 16 (the H200 plan's counts, pinned). "kernel" runs the
     merge kernel after the decode kernel; "arrival" merges in the launch, by the last split to
     finish; "cluster" in a cluster where one can run (an sm90 GPU, a 9.0a build; else the merge
     kernel); "auto" pairs of splits in a cluster where one can run, else at head size 128 by the
-    last split, and at head size 64 with the merge kernel; "balanced" (the schedule) by the last
-    split at any head size."""
+    last split, and at head size 64 with the merge kernel."""
     case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=head_dim, capacity=2048,
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
-    in_launch = {"kernel": False, "arrival": True, "balanced": True, "cluster": _cluster_merge_available(),
+    in_launch = {"kernel": False, "arrival": True, "cluster": _cluster_merge_available(),
                  "auto": (batch == 8 and _cluster_merge_available()) or head_dim == 128}[merge]
     with _decode_pinned(merge, 2 if batch == 8 else 16):
         names = _cuda_kernel_names(lambda: case.clone().run())
@@ -748,21 +737,22 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge):
     assert any("merge_kernel" in n for n in names) == (not in_launch), names
 
 
-@pytest.mark.parametrize("merge,max_splits", [("auto", 0), ("arrival", 0), ("arrival", 5), ("balanced", 0),
-                                              ("balanced", 5)])
-def test_cuda_graph_decode_replay_50_steps(merge, max_splits):
+@pytest.mark.parametrize("merge,max_splits,schedule", [("auto", 0, "auto"), ("arrival", 0, "auto"),
+                                                       ("arrival", 5, "auto"), ("arrival", 5, "longest_first"),
+                                                       ("kernel", 3, "longest_first")])
+def test_cuda_graph_decode_replay_50_steps(merge, max_splits, schedule):
     """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
     inputs change: every replay is checked against the reference (output and caches). With the
     plan's splits (2 here; auto merges them in a cluster where one can run) and with the splits
     merged by the last one to finish, in 2 and in up to 5 splits (the captured arrival counters
-    must be zero again after every replay); and with the balanced schedule, which deals the
-    captured grid's splits anew from each replay's lengths."""
-    with _decode_pinned(merge, max_splits, 1 if max_splits else 0):
+    must be zero again after every replay); and with the rows taken longest first, which the
+    captured kernel ranks anew from each replay's lengths."""
+    with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
         _graph_decode_replay_50_steps()
 
 
-@pytest.mark.parametrize("merge", ["auto", "arrival", "balanced"])
-def test_cuda_decode_on_two_streams_at_once(merge):
+@pytest.mark.parametrize("merge,schedule", [("auto", "auto"), ("arrival", "auto"), ("arrival", "longest_first")])
+def test_cuda_decode_on_two_streams_at_once(merge, schedule):
     """Decode calls in flight on two streams at once, each in 16 splits merged in the launch by
     the last split to finish: every output and cache matches the reference. Each stream has its
     own arrival counters; shared ones would let a split of one call count as another call's
@@ -774,7 +764,7 @@ def test_cuda_decode_on_two_streams_at_once(merge):
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for st in streams:
         st.wait_stream(torch.cuda.current_stream())
-    with _decode_pinned(merge, 16, 1):
+    with _decode_pinned(merge, 16, 1, schedule):
         outs = []
         for i, case in enumerate(cases):
             with torch.cuda.stream(streams[i % 2]):
@@ -879,6 +869,15 @@ def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, dec
         _check_bad_row_on_tensor_cores(dtype, head_dim)
     finally:
         gqa_torch._C._set_decode_split_override(0, 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_decode_bad_row_with_rows_longest_first(head_dim):
+    """The bad-row checks with the rows taken longest first (the bad row's length, past the
+    capacity, is clamped to it for the ranking, so it ranks first), in 3 splits merged by the
+    last to finish."""
+    with _decode_pinned("arrival", 3, 0, "longest_first"):
+        _check_bad_row_on_tensor_cores("bf16", head_dim)
 
 
 def _check_bad_row_on_tensor_cores(dtype, head_dim):

@@ -33,15 +33,14 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     const int64_t by_capacity = (static_cast<int64_t>(p.capacity) + plan.min_split_keys - 1) / plan.min_split_keys;
     if (splits > by_capacity) splits = by_capacity < 1 ? 1 : by_capacity;
     plan.max_splits = static_cast<int32_t>(splits);
-    // With more CTAs than SMs, rows of different lengths leave the SMs that drew long rows
-    // working after the others have finished (a ragged B32 batch, capacity 8192, ran 30% over
-    // its valid bytes' time at 2 splits a row). Then the device may deal the batch's keys
-    // evenly instead: as many splits in all as the plan's count gives a batch of full rows
-    // (B x max_splits a kv head), so a uniform batch runs as before, and a long row among short
-    // ones takes up to kBalancedSlotFactor times the plan's count. (launch.cu takes it where the
-    // last split merges the row; twenty-second H200 round.)
+    // With more CTAs than SMs, the SMs take the CTAs in launch order. In row order, a long
+    // row's CTAs dispatched last leave them streaming after the others have finished, so the
+    // device takes the rows longest first: the short rows' CTAs fill in behind. On an H200
+    // (twenty-second round) that brought ragged batches to the time of a batch of equal rows
+    // holding the same keys: B8 capacity 32768, 136.6 to 125.4 us (equal rows: 124.1); B32
+    // capacity 8192, 172.8 to 161.9 (162.9).
     const int64_t hchunks = (static_cast<int64_t>(p.group_size) + 15) / 16;  // CTAs a kv head
-    plan.balanced = p.batch >= 2 && base_ctas * hchunks * splits > sms;
+    plan.longest_first = p.batch >= 2 && base_ctas * hchunks * splits > sms;
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
     // query blocks, so few CTAs would each stream the whole cache while most SMs idle. Then
@@ -72,19 +71,9 @@ void layout_workspace(Plan& plan, const Params& p) {
   // Count, then carve. Split-K (decode, or prefill of a short chunk) needs the partials, and
   // prefill its kernels' query-block counter.
   plan.workspace = WorkspaceLayout{};
-  plan.split_slots = plan.max_splits;
-  if (plan.route == Route::kDecode && plan.balanced) {
-    constexpr int64_t kBalancedSlotFactor = 4;
-    const int64_t min_keys = plan.min_split_keys > 0 ? plan.min_split_keys : 1;
-    int64_t slots = kBalancedSlotFactor * plan.max_splits;
-    const int64_t by_capacity = (static_cast<int64_t>(p.capacity) + min_keys - 1) / min_keys;
-    if (slots > by_capacity) slots = by_capacity;
-    if (slots > 128) slots = 128;  // the merges combine at most 128 splits
-    if (slots > plan.split_slots) plan.split_slots = static_cast<int32_t>(slots);
-  }
   size_t offset = 0;
-  if (plan.split_slots > 1) {
-    const size_t heads = static_cast<size_t>(p.batch) * p.query_len * p.q_heads * plan.split_slots;
+  if (plan.max_splits > 1) {
+    const size_t heads = static_cast<size_t>(p.batch) * p.query_len * p.q_heads * plan.max_splits;
     plan.workspace.partial_out = offset;
     offset += align_workspace(sizeof(float) * heads * p.head_dim);
     plan.workspace.partial_lse = offset;

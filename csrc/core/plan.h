@@ -22,8 +22,8 @@ enum class Route : int32_t {
 
 // Byte offsets into one workspace allocation (count, then carve).
 struct WorkspaceLayout {
-  size_t partial_out = 0;     // float [B, S, Hq, split_slots, D]  (split-K only)
-  size_t partial_lse = 0;     // float [B, S, Hq, split_slots]     (split-K only)
+  size_t partial_out = 0;     // float [B, S, Hq, max_splits, D]   (split-K only)
+  size_t partial_lse = 0;     // float [B, S, Hq, max_splits]      (split-K only)
   size_t work_counter = 0;    // int32, prefill only: Params::work_counter
   size_t total_bytes = 0;
 };
@@ -33,11 +33,10 @@ struct Plan {
   int32_t max_splits = 1;     // decode: upper bound on split-K CTAs per (row, kv head); prefill:
                               // the key-range splits of every query block (1: none)
   int32_t min_split_keys = 0; // smallest key chunk one split takes
-  // Decode: whether the device may deal the batch's keys in balanced splits (balanced_chunk
-  // below) instead of max_splits a row, and how many splits a row may then take: the partials'
-  // split dimension, max_splits when the schedule is off (layout_workspace sets it).
-  bool balanced = false;
-  int32_t split_slots = 1;
+  // Decode: the device takes the batch's rows longest first (by visible keys), so that the
+  // CTAs of long rows are dispatched before those of short ones. Set where the launch has more
+  // CTAs than SMs and two rows or more.
+  bool longest_first = false;
   WorkspaceLayout workspace;
 };
 
@@ -46,8 +45,8 @@ size_t align_workspace(size_t bytes);
 
 Plan make_plan(const Params& p, const DeviceInfo& device);
 
-// Fills plan.split_slots and plan.workspace from plan.route, max_splits, min_split_keys and
-// balanced (make_plan calls it; a tuning hook that changes max_splits calls it again).
+// Fills plan.workspace from plan.route and plan.max_splits (make_plan calls it; a tuning hook
+// that changes max_splits calls it again).
 void layout_workspace(Plan& plan, const Params& p);
 
 // How many splits a row of `total` keys actually uses (device and host agree on this).
@@ -59,29 +58,6 @@ inline int32_t active_splits(int32_t total, int32_t max_splits, int32_t min_spli
   if (total <= 0) return 1;
   int32_t by_len = (total + min_split_keys - 1) / min_split_keys;
   return by_len < max_splits ? by_len : max_splits;
-}
-
-// The balanced decode schedule: every split of the batch takes about total_keys / target keys
-// (never fewer than min_split_keys), so a long row takes more splits than a short one and no
-// CTA streams much longer than the others, whatever the spread of the rows' lengths. A row of
-// `keys` visible keys takes ceil(keys / chunk) splits, clamped to [1, max_splits]. Summed over
-// the rows that is at most target + rows (each row adds less than one split to keys / chunk),
-// which bounds the launch grid. Pure, so the kernels and the tests agree.
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-inline int32_t balanced_chunk(int64_t total_keys, int32_t target, int32_t min_split_keys) {
-  const int64_t chunk = target > 0 ? (total_keys + target - 1) / target : total_keys;
-  return chunk > min_split_keys ? static_cast<int32_t>(chunk) : (min_split_keys > 0 ? min_split_keys : 1);
-}
-
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-inline int32_t balanced_splits(int32_t keys, int32_t chunk, int32_t max_splits) {
-  if (keys <= 0) return 1;
-  const int64_t splits = (static_cast<int64_t>(keys) + chunk - 1) / chunk;
-  return splits < max_splits ? static_cast<int32_t>(splits) : max_splits;
 }
 
 }  // namespace gqa

@@ -28,14 +28,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct Work {
   float* partial_out = nullptr;  // [B, S, Hq, max_splits, D]: each split's normalised output
   float* partial_lse = nullptr;  // [B, S, Hq, max_splits]: its log-sum-exp, log2 domain
-  int32_t max_splits = 1;        // the most splits a row takes (and the partials' split stride)
+  int32_t max_splits = 1;
   int32_t min_split_keys = 1;
-  // Decode on tensor cores, the balanced schedule (decode_schedule.cuh): the splits a (kv head,
-  // head chunk) aims at over the whole batch; the grid's x dimension then deals them, and its z
-  // dimension is 1. 0: max_splits a row, the grid's x the row's split and z the row.
-  int32_t balanced_items = 0;
-  // Decode on tensor cores, the row schedule: the grid's rows taken longest first
-  // (decode_schedule.cuh).
+  // Decode on tensor cores: the grid's row index is a rank, and the CTA serves the batch row of
+  // that rank in decreasing visible length (decode_schedule.cuh); 0: the row itself.
   int32_t longest_first = 0;
   // Decode on tensor cores: the grid's x dimension (the splits) is one thread-block cluster, and
   // its CTAs merge their partial outputs through distributed shared memory, so no merge kernel

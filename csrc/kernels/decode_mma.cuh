@@ -1,7 +1,7 @@
 // Decode (S == 1) on tensor cores, fp16/bf16, head sizes 64/80/96/128/256.
 //
-// Grid (split, kv head x head chunk, row), or with the balanced schedule (item, kv head x head
-// chunk, 1), whose items are dealt over the rows (decode_schedule.cuh). One CTA serves up to 16 query heads of one kv head
+// Grid (split, kv head x head chunk, row; w.longest_first: the row's rank in decreasing length,
+// decode_schedule.cuh). One CTA serves up to 16 query heads of one kv head
 // (all G of them when G <= 16), so each K/V byte is read from memory once. The CTA takes keys
 // [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
 // row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
@@ -185,21 +185,14 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  // The row and split: the grid's own, or dealt by the balanced schedule (which reads seqlens_k
-  // only, before the PDL wait, and may find this CTA past the batch's splits).
-  DecodeItem item{static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.x), 0};
-  if (w.balanced_items > 0) {
-    item = balanced_item<Cfg::kThreads>(p, w, static_cast<int>(blockIdx.x));
-    if (item.row < 0) return;
-  } else if (w.longest_first) {
-    item.row = longest_first_row<Cfg::kThreads>(p, item.row);
-  }
-  const int split = item.split;
+  const int split = blockIdx.x;
   const int G = p.group_size;
   const int hchunks = (G + 15) >> 4;
   const int kvh = blockIdx.y / hchunks;
   const int hc = blockIdx.y - kvh * hchunks;
-  const int b = item.row;
+  // The row: the grid's own, or the row of that rank in decreasing length (which reads
+  // seqlens_k only, before the PDL wait).
+  const int b = w.longest_first ? longest_first_row<Cfg::kThreads>(p, blockIdx.z) : static_cast<int>(blockIdx.z);
   const int h0 = kvh * G + hc * 16;
   const int nh = min(16, G - hc * 16);
   const TokenStrides os = p.output_strides;
@@ -233,7 +226,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // checks pass).
   const KeyRange vis = visible_keys(p, g.total, g.query_start);
   const int n = vis.hi - vis.lo;
-  const int active = w.balanced_items > 0 ? item.active : active_splits(n, w.max_splits, w.min_split_keys);
+  const int active = active_splits(n, w.max_splits, w.min_split_keys);
   const int chunk = (n + active - 1) / active;
   const int k0 = vis.lo + split * chunk;
   const int k1 = min(vis.hi, k0 + chunk);
@@ -823,8 +816,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
 // a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
-// stream has arrival counters (else the merge kernel). The balanced schedule always merges by
-// the last CTA to arrive.
+// stream has arrival counters (else the merge kernel).
 extern std::atomic<int> g_decode_merge;
 
 // Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
@@ -833,8 +825,7 @@ extern std::atomic<int> g_decode_merge;
 template <typename T, int D, int kLoader>
 bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = (p.group_size + 15) / 16;
-  const bool balanced = w.balanced_items > 0;  // launch.cu takes it only where the splits can arrive
-  const dim3 grid(balanced ? w.balanced_items + p.batch : w.max_splits, p.kv_heads * hchunks, balanced ? 1 : p.batch);
+  const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
   const dim3 block(DecodeCfg<D>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader>;
   constexpr size_t smem = DecodeCfg<D, kLoader>::kSmem;
@@ -850,7 +841,7 @@ bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream
   const bool all_resident =
       ctas <= static_cast<int64_t>(resident_ctas_per_sm<kernel>(block, smem)) * device_attribute<cudaDevAttrMultiProcessorCount>();
   Work wk = w;
-  wk.cluster_merge = !balanced && w.max_splits > 1 && (merge == 0 || merge == 2) && kBuiltSm90a && device_is_sm90() &&
+  wk.cluster_merge = w.max_splits > 1 && (merge == 0 || merge == 2) && kBuiltSm90a && device_is_sm90() &&
                      (merge == 2 || (w.max_splits <= kAutoMaxCluster && all_resident)) &&
                      cluster_shape_runs<kernel>(w.max_splits, block, smem);
   // Where no cluster merges, auto has the last split merge at head size 128 and up to 16
@@ -860,8 +851,7 @@ bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream
   // of loads where the merge kernel spreads them over 14 CTAs.
   constexpr int kAutoMaxArrivalSplits = 16;
   const bool auto_arrival = D == 128 && w.max_splits <= kAutoMaxArrivalSplits;
-  if (wk.cluster_merge || w.max_splits <= 1 || !(balanced || merge == 3 || (merge == 0 && auto_arrival)))
-    wk.arrivals = nullptr;
+  if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 3 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
   launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
                           wk, fused ? 1 : 0, maps);
   return wk.cluster_merge != 0 || wk.arrivals != nullptr;
@@ -874,11 +864,9 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
   if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
-  // The loader goes by the splits of a batch of full rows (the balanced schedule's too).
-  const int64_t row_splits = w.balanced_items > 0 ? w.balanced_items / p.batch : w.max_splits;
-  const int64_t ctas = row_splits * p.kv_heads * ((p.group_size + 15) / 16) * p.batch;
+  const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * ((p.group_size + 15) / 16) * p.batch;
   const bool many_ctas = ctas >= static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
-  const bool long_ranges = p.capacity / row_splits >= 2048;
+  const bool long_ranges = p.capacity / w.max_splits >= 2048;
   if constexpr (D == 64 || D == 128) {
     // Auto takes K into registers where more CTAs than SMs stream long key ranges (their K loads
     // in flight add up; with one CTA an SM the TMA loader keeps more bytes in flight, and short

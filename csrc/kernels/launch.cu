@@ -1,7 +1,7 @@
 // gqa::cuda::launch: picks the kernels for one call and enqueues them.
 //
 //   decode, in-place, tensor-core eligible:  decode_mma(fused)          [+ merge]
-//   (its splits a row's own, or dealt evenly over the batch: set_decode_schedule)
+//   (the rows of a large batch taken longest first: set_decode_schedule)
 //   decode, otherwise:                       prep -> decode_mma|generic [+ merge]
 //   (decode_mma merges its own splits, with no merge kernel, in a thread-block cluster or in the
 //   last split CTA to finish, when launch_decode_loader picks that: see set_decode_merge)
@@ -56,27 +56,21 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
   detail::Work w;
   w.max_splits = plan.max_splits;
   w.min_split_keys = plan.min_split_keys > 0 ? plan.min_split_keys : 1;
-  const bool tc = tensor_core_path(p);
-  // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
-  // stream has enough of them (decode_arrival.cuh).
-  const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * ((p.group_size + 15) / 16);
-  const bool counters = plan.route == Route::kDecode && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots;
-  // The balanced schedule (decode_schedule.cuh) runs on the tensor-core kernel, whose last split
-  // to arrive merges each row: where the plan offers it (auto) or wherever it can (pinned).
-  const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
-  if (tc && counters && plan.split_slots > 1 && (schedule == 2 || (schedule == 0 && plan.balanced))) {
-    w.balanced_items = p.batch * plan.max_splits;
-    w.max_splits = plan.split_slots;
-  }
-  w.longest_first = tc && schedule == 3;
   if (w.max_splits > 128) throw std::runtime_error("gqa: internal error: at most 128 splits are supported");
   if (w.max_splits > 1) {
     w.partial_out = reinterpret_cast<float*>(ws + plan.workspace.partial_out);
     w.partial_lse = reinterpret_cast<float*>(ws + plan.workspace.partial_lse);
   }
+  const bool tc = tensor_core_path(p);
 
   if (plan.route == Route::kDecode) {
-    if (w.max_splits > 1 && counters) w.arrivals = p.arrival_counters;
+    // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
+    // stream has enough of them (decode_arrival.cuh).
+    const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * ((p.group_size + 15) / 16);
+    if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots)
+      w.arrivals = p.arrival_counters;
+    const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
+    w.longest_first = tc && (schedule == 2 || (schedule == 0 && plan.longest_first)) ? 1 : 0;
     const bool fused = tc && p.inplace;
     if (!fused) detail::launch_prep(p, /*check_positions=*/true, stream);
     bool merged = false;

@@ -29,11 +29,10 @@ void set_decode_loader(int loader);
 // 16 splits), 3 the last CTA to finish wherever the stream has arrival counters.
 void set_decode_merge(int merge);
 
-// Tests and benchmarks: how the tensor-core decode kernel's splits are laid over the batch.
-// 0 auto (the balanced schedule where the plan offers it, Plan::balanced: two rows or more and
-// more CTAs than SMs), 1 rows (each row up to max_splits splits of its own length), 2 balanced
-// wherever it can run (splits of about the same length dealt over the rows, merged by the last
-// split to arrive: where the stream has arrival counters). Neither applies to the generic kernel.
+// Tests and benchmarks: the order in which the tensor-core decode kernel takes the batch's
+// rows. 0 auto (longest first where the plan says so, Plan::longest_first: two rows or more
+// and more CTAs than SMs), 1 row order always, 2 longest first always (batches of up to one
+// row a thread of the CTA; larger ones keep row order). The generic kernel keeps row order.
 void set_decode_schedule(int schedule);
 
 }  // namespace cuda

@@ -59,10 +59,9 @@ void set_decode_loader(const std::string& loader);
 // finish, wherever the stream has arrival counters). No-op in a CPU-only build.
 void set_decode_merge(const std::string& merge);
 
-// Tests and benchmarks: how the tensor-core decode kernel's splits are laid over the batch,
-// "auto" (the default: see kernels/launch.h), "rows" (each row its own splits) or "balanced"
-// (splits of about the same length dealt over the rows, wherever the last split can merge
-// them). No-op in a CPU-only build.
+// Tests and benchmarks: the order in which the tensor-core decode kernel takes the batch's
+// rows, "auto" (the default: see kernels/launch.h), "rows" (row order) or "longest_first"
+// (decreasing visible length). No-op in a CPU-only build.
 void set_decode_schedule(const std::string& schedule);
 
 // Global debugging switch: every CUDA call checks the error word synchronously.

@@ -115,7 +115,7 @@ void set_decode_merge(const std::string& merge) {
 
 void set_decode_schedule(const std::string& schedule) {
   // The index is the schedule code of kernels/launch.h.
-  static const char* const kSchedules[] = {"auto", "rows", "balanced", "longest_first"};
+  static const char* const kSchedules[] = {"auto", "rows", "longest_first"};
   const int code = switch_code(kSchedules, schedule, "decode schedule");
   (void)code;  // used by a CUDA build only
 #ifdef GQA_WITH_CUDA

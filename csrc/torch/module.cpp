@@ -38,10 +38,9 @@ PYBIND11_MODULE(_C, m) {
         "last split to finish), \"kernel\" (the merge kernel always), \"cluster\" (a cluster wherever one "
         "can run) or \"arrival\" (the last split to finish, wherever the stream has arrival counters).");
   m.def("_set_decode_schedule", &gqa::set_decode_schedule, pybind11::arg("schedule"),
-        "Tests and benchmarks: how the decode kernel's splits are laid over the batch, \"auto\" (the "
-        "default: balanced where the plan offers it), \"rows\" (each row up to the plan's split count "
-        "of its own length) or \"balanced\" (splits of about the same length dealt over the rows, "
-        "wherever the last split can merge them).");
+        "Tests and benchmarks: the order in which the decode kernel takes the batch's rows, \"auto\" (the "
+        "default: longest first where the plan says so), \"rows\" (row order) or \"longest_first\" (decreasing "
+        "visible length, wherever it can run).");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
@@ -59,24 +58,10 @@ PYBIND11_MODULE(_C, m) {
     pybind11::dict out;
     out["max_splits"] = plan.max_splits;
     out["min_split_keys"] = plan.min_split_keys;
-    out["balanced"] = plan.balanced;
-    out["split_slots"] = plan.split_slots;
+    out["longest_first"] = plan.longest_first;
     return out;
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
-        pybind11::arg("sm_count"), "Tests: the decode plan's split counts for these shapes (core/plan.cpp), on the host.");
-  m.def("_balanced_splits", [](const std::vector<int32_t>& keys, int32_t target, int32_t max_splits,
-                               int32_t min_split_keys) {
-    if (target <= 0 || max_splits <= 0 || min_split_keys <= 0)
-      throw std::invalid_argument("_balanced_splits: target, max_splits and min_split_keys must be positive");
-    int64_t total = 0;
-    for (int32_t k : keys) total += k > 0 ? k : 0;
-    const int32_t chunk = gqa::balanced_chunk(total, target, min_split_keys);
-    std::vector<int32_t> splits;
-    splits.reserve(keys.size());
-    for (int32_t k : keys) splits.push_back(gqa::balanced_splits(k, chunk, max_splits));
-    return splits;
-  }, pybind11::arg("keys"), pybind11::arg("target"), pybind11::arg("max_splits"), pybind11::arg("min_split_keys"),
-        "Tests: each row's split count under the balanced decode schedule (core/plan.h), on the host.");
+        pybind11::arg("sm_count"), "Tests: the decode plan's split counts and row order for these shapes (core/plan.cpp), on the host.");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
