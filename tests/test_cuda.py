@@ -667,20 +667,20 @@ def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
     ("bf16", "longest_first", "cluster", 2), ("bf16", "longest_first", "arrival", 5)])
 def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits):
     """A ragged batch of 48 rows of 8 kv heads (384 CTAs at one split a row, more than any
-    GPU's SMs), where the plan takes the rows longest first: rows of 1 to 301 keys, one near
-    the capacity and a tie of two long ones. Auto (longest first, one split a row), row order
+    GPU's SMs, and 2,100 keys of capacity), where the plan takes the rows longest first: rows
+    of 1 to 301 keys, one near the capacity and a tie of two long ones. Auto (longest first, one split a row), row order
     pinned, and longest first pinned with 2 to 5 splits merged every way, so that each merge
     finds its row's partials where the reordered CTAs left them. Every feature, both ops and
     layouts, head sizes 64, 128 and 256."""
-    plan = gqa_torch._C._decode_plan(48, 32, 8, 1100, torch.cuda.get_device_properties(0).multi_processor_count)
+    plan = gqa_torch._C._decode_plan(48, 32, 8, 2100, torch.cuda.get_device_properties(0).multi_processor_count)
     assert plan["longest_first"] and plan["max_splits"] == 1, plan
     with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
         for i, feat in enumerate(FEATURE_CYCLE):
             rng = random.Random(100 + i)
             past = [rng.randint(0, 300) for _ in range(48)]
-            past[5], past[17], past[40] = 1090, 700, 700
+            past[5], past[17], past[40] = 2090, 700, 700
             case = make_case(["inplace", "functional"][i % 2], batch=48, seq=1, num_heads=32, kv_num_heads=8,
-                             head_dim=[64, 128, 256][i % 3], capacity=1100, past_lengths=past, dtype=DTYPES[dtype],
+                             head_dim=[64, 128, 256][i % 3], capacity=2100, past_lengths=past, dtype=DTYPES[dtype],
                              layout=i % 2, **feat)
             _run_cuda_and_cpu(case)
 

@@ -38,9 +38,11 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // device takes the rows longest first: the short rows' CTAs fill in behind. On an H200
     // (twenty-second round) that brought ragged batches to the time of a batch of equal rows
     // holding the same keys: B8 capacity 32768, 136.6 to 125.4 us (equal rows: 124.1); B32
-    // capacity 8192, 172.8 to 161.9 (162.9).
+    // capacity 8192, 172.8 to 161.9 (162.9). Not where the splits hold under 2,048 keys of
+    // capacity: a late short CTA costs little there, and the ranking did (B64 L1024, all rows
+    // full: 74.6 us against 73.3).
     const int64_t hchunks = (static_cast<int64_t>(p.group_size) + 15) / 16;  // CTAs a kv head
-    plan.longest_first = p.batch >= 2 && base_ctas * hchunks * splits > sms;
+    plan.longest_first = p.batch >= 2 && base_ctas * hchunks * splits > sms && p.capacity / splits >= 2048;
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
     // query blocks, so few CTAs would each stream the whole cache while most SMs idle. Then

@@ -35,7 +35,7 @@ struct Plan {
   int32_t min_split_keys = 0; // smallest key chunk one split takes
   // Decode: the device takes the batch's rows longest first (by visible keys), so that the
   // CTAs of long rows are dispatched before those of short ones. Set where the launch has more
-  // CTAs than SMs and two rows or more.
+  // CTAs than SMs, two rows or more, and 2,048 keys of capacity a split or more.
   bool longest_first = false;
   WorkspaceLayout workspace;
 };

@@ -191,8 +191,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int kvh = blockIdx.y / hchunks;
   const int hc = blockIdx.y - kvh * hchunks;
   // The row: the grid's own, or the row of that rank in decreasing length (which reads
-  // seqlens_k only, before the PDL wait).
-  const int b = w.longest_first ? longest_first_row<Cfg::kThreads>(p, blockIdx.z) : static_cast<int>(blockIdx.z);
+  // seqlens_k only, before the PDL wait, and hands back the row's).
+  const RankedRow ranked = w.longest_first ? longest_first_row<Cfg::kThreads>(p, blockIdx.z)
+                                           : RankedRow{static_cast<int>(blockIdx.z), 0};
+  const int b = ranked.row;
   const int h0 = kvh * G + hc * 16;
   const int nh = min(16, G - hc * 16);
   const TokenStrides os = p.output_strides;
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // path after the wait. (The row's geometry and this split's part of its keys are written here
   // too, but nvcc 13.0 places the split's division after the wait, where they are first used;
   // the branch wip/decode-prewait-settle pins them before it.)
-  const int seqlen = pdl_early_read(p.seqlens_k + b);
+  const int seqlen = w.longest_first ? ranked.seqlen : pdl_early_read(p.seqlens_k + b);
   const int first_check_seqlen = fused && tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
   const RowGeometry g = row_geometry(p, seqlen);
   // The one query token sits at position query_start; it sees [lo, hi) (used once the row

@@ -20,34 +20,41 @@ namespace detail {
 
 // A row's visible keys, clamped to [0, capacity] (a bad row's may be anything: its CTAs take
 // the error path, but every CTA must rank it the same way).
-__device__ __forceinline__ int schedule_row_keys(const Params& p, int row) {
-  const RowGeometry g = row_geometry(p, pdl_early_read(p.seqlens_k + row));
+__device__ __forceinline__ int schedule_row_keys(const Params& p, int seqlen) {
+  const RowGeometry g = row_geometry(p, seqlen);
   const KeyRange vis = visible_keys(p, g.total, g.query_start);
   return min(max(vis.hi - vis.lo, 0), p.capacity);
 }
 
+struct RankedRow {
+  int row;
+  int seqlen;  // its seqlens_k, so that the kernel need not read it again after the ranking
+};
+
 // The batch row of rank `rank`. Called by every thread of the CTA (it synchronises). Batches of
 // more rows than the CTA has threads keep row order.
 template <int kThreads>
-__device__ int longest_first_row(const Params& p, int rank) {
+__device__ RankedRow longest_first_row(const Params& p, int rank) {
   __shared__ int row_keys[kThreads];
-  __shared__ int claim;
-  if (p.batch > kThreads) return rank;
+  __shared__ int2 claim;
+  if (p.batch > kThreads) return RankedRow{rank, pdl_early_read(p.seqlens_k + rank)};
   const int tid = threadIdx.x;
-  if (tid == 0) claim = rank;
-  const int mine = tid < p.batch ? schedule_row_keys(p, tid) : -1;
+  const int seqlen = tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
+  const int mine = tid < p.batch ? schedule_row_keys(p, seqlen) : -1;
   row_keys[tid] = mine;
   __syncthreads();
+  // (keys, row) orders the rows totally, so the ranks are 0..B-1 once each and exactly one
+  // thread claims `rank` (< B, the grid's rows).
   if (tid < p.batch) {
     int before = 0;  // rows ranked ahead of this thread's
     for (int j = 0; j < p.batch; ++j) {
       const int k = row_keys[j];
       before += k > mine || (k == mine && j < tid);
     }
-    if (before == rank) claim = tid;
+    if (before == rank) claim = make_int2(tid, seqlen);
   }
   __syncthreads();
-  return claim;
+  return RankedRow{claim.x, claim.y};
 }
 
 }  // namespace detail
