@@ -5,9 +5,9 @@ beyond L2) is timed with the plan's own choice, then with each forced ``max_spli
 smallest split lowered so that the forced count is really used), with the loader `--loader`
 pins, the merge `--merge` pins and the row order `--schedule` pins (default: auto's choices).
 `--ragged` adds the ragged rows of bench_decode.py (rows of lengths uniform in [256,
-capacity]), each followed by a batch of equal rows holding the same keys. Prints, per row, the plan's
-time, the best forced setting and its time, so the plan's heuristic can be checked against
-measurements. Writes benchmarks/results/sweep_decode_splits.{json,md}.
+capacity]), each followed by a batch of equal rows holding the same keys. Prints, per row, the
+plan's time, the best forced setting and its time, so the plan's heuristic can be checked
+against measurements. Writes benchmarks/results/sweep_decode_splits.{json,md}.
 """
 from __future__ import annotations
 

@@ -668,10 +668,10 @@ def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
 def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits):
     """A ragged batch of 48 rows of 8 kv heads (384 CTAs at one split a row, more than any
     GPU's SMs, and 2,100 keys of capacity), where the plan takes the rows longest first: rows
-    of 1 to 301 keys, one near the capacity and a tie of two long ones. Auto (longest first, one split a row), row order
-    pinned, and longest first pinned with 2 to 5 splits merged every way, so that each merge
-    finds its row's partials where the reordered CTAs left them. Every feature, both ops and
-    layouts, head sizes 64, 128 and 256."""
+    of 1 to 301 keys, one near the capacity and a tie of two long ones. Auto (longest first,
+    one split a row), row order pinned, and longest first pinned with 2 to 5 splits merged
+    every way, so that each merge finds its row's partials where the reordered CTAs left them.
+    Every feature, both ops and layouts, head sizes 64, 128 and 256."""
     plan = gqa_torch._C._decode_plan(48, 32, 8, 2100, torch.cuda.get_device_properties(0).multi_processor_count)
     assert plan["longest_first"] and plan["max_splits"] == 1, plan
     with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
