@@ -222,8 +222,10 @@ def _random_cos_sin(max_positions: int, half: int, dtype: torch.dtype, device="c
 
 def random_normal(shape, dtype, scale=1.0, device="cpu"):
     """Fresh normal values, never all zeros, in the storage dtype."""
-    t = torch.randn(*shape, dtype=torch.float32) * scale
-    t = t + 0.01 * torch.sign(t)  # keep clear of exact zeros
+    t = torch.randn(*shape, dtype=torch.float32)
+    if scale != 1.0:
+        t.mul_(scale)
+    t.add_(torch.sign(t), alpha=0.01)  # keep clear of exact zeros
     return t.to(dtype).to(device)
 
 
@@ -331,7 +333,17 @@ def make_case(
     # ---- caches
     def cache_tensor(rows):
         shape = (B, kv_num_heads, rows, D) if layout == 0 else (B, rows, kv_num_heads, D)
-        return random_normal(shape, dtype)
+        if not poison_unused:
+            return random_normal(shape, dtype)
+        # poison_unused: each batch row's cache rows past its past are poisoned, so that a read
+        # of them shows. Values are drawn for the past only (a ragged batch in a large cache
+        # would otherwise spend seconds on draws that the poison overwrites).
+        t = poison(torch.empty(shape, dtype=dtype))
+        for b, past in enumerate(pasts):
+            valid = min(past, rows)
+            if valid > 0:
+                to_bnsh(t, layout)[b, :, :valid] = random_normal((kv_num_heads, valid, D), dtype)
+        return t
 
     cache_key = cache_value = None
     cache_base = None
@@ -352,12 +364,6 @@ def make_case(
             cache_base = (kb, vb)
         else:
             cache_key, cache_value = cache_tensor(capacity), cache_tensor(capacity)
-    if poison_unused and cache_key is not None:
-        for b, past in enumerate(pasts):
-            for t in (cache_key, cache_value):
-                rows = to_bnsh(t, layout)[b, :, past:]
-                if rows.numel():
-                    poison(rows)
 
     # ---- RoPE
     cos_cache = sin_cache = pos = None
