@@ -228,7 +228,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=True,
                         help="time FlexAttention too (the default; it compiles each shape first; --no-flex skips it)")
-    parser.add_argument("--only", choices=["decode", "ragged", "step"], default=None)
+    parser.add_argument("--only", choices=["decode", "ragged", "step"], nargs="+", default=None,
+                        help="the tables to time (default: all three)")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
@@ -239,7 +240,7 @@ def main():
     meta["measured_read_TBps"] = round(measure_hbm_read_tbs(), 3)
     progress(f"  {meta['measured_read_TBps']} TB/s")
     out = []
-    if args.only in (None, "decode"):
+    if args.only is None or "decode" in args.only:
         rows = decode_table(args)
         cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS],
                 *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
@@ -248,13 +249,13 @@ def main():
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],
                  {"gqa_torch": [r["ours_us"] for r in rows], "SDPA flash": [r["sdpa_flash_us"] for r in rows],
                   "SDPA cuDNN": [r["sdpa_cudnn_us"] for r in rows]}, "µs (lower is better)", "Decode, bf16, H200")
-    if args.only in (None, "ragged"):
+    if args.only is None or "ragged" in args.only:
         rows = ragged_table()
         cols = ["B", "capacity", "mean_len", "valid_MB", "ours_us", *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS],
                 "sdpa_cudnn_mask_us", "sdpa_efficient_mask_us",
                 "sdpa_flash_full_capacity_us", "speedup_vs_best", "capacity_over_mean", "floor_us", "pct_of_4_8TBps"]
         out.append(write_tables("decode_ragged", meta, rows, cols, "Ragged decode"))
-    if args.only in (None, "step"):
+    if args.only is None or "step" in args.only:
         rows = step_table()
         cols = ["B", "capacity", "length", "ours_us", "hf_step_us", "speedup"]
         out.append(write_tables("decode_step", meta, rows, cols, "Full decode step vs HF StaticCache step"))

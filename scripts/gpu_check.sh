@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|order|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|order|profile|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of each test process;
@@ -124,6 +124,13 @@ for step in $steps; do
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 interleave_order.py ${GQA_ORDER_SHAPES:-2x4096x128 1x16384x128}) \
         > "$OUT/order.log" 2>&1 || status=1
       grep "ours/cudnn" "$OUT/order.log" ;;
+    profile)
+      # Nsight Compute with per-instruction stall samples over the decode rows in
+      # GQA_PROFILE_ROWS (scripts/profile_gpu.sh, on the build already here).
+      OUT=$OUT GQA_SKIP_BUILD=1 GQA_SASS=1 timeout ${GQA_PROFILE_TIMEOUT:-300} bash scripts/profile_gpu.sh \
+        ${GQA_PROFILE_ROWS:-b1_l1024 b8_l32768} > "$OUT/profile.log" 2>&1 || status=1
+      grep -v "^ *$" "$OUT/profile.log" | cut -c1-200 | tail -60
+      rm -f "$OUT"/rep_*.ncu-rep ;;
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
       tail -20 "$OUT/bench_e2e.log" ;;

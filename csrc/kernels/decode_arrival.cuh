@@ -27,18 +27,23 @@ __device__ __forceinline__ uint32_t* arrival_counter(const Work& w, int row) {
   return w.arrivals + static_cast<int64_t>(row) * gridDim.y + blockIdx.y;
 }
 
+// A release-acquire fence at GPU scope. The counters pass messages (the partials), which needs
+// release and acquire only; __threadfence() is the sequentially consistent fence (MEMBAR.SC.GPU
+// in the SASS), which also orders every fenced thread against every other, and costs more.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 // Called by every thread of the CTA, after its partial stores. True in the one CTA of the slot
 // that arrived last; its later loads see every other split's partials.
 __device__ __forceinline__ bool arrive_last(uint32_t* counter, int active) {
   __shared__ int last_flag;
   __syncthreads();  // the CTA's partial stores come before thread 0's fence (bar.sync orders them)
   if (threadIdx.x == 0) {
-    __threadfence();  // release: the partials are visible GPU-wide before the count says so
+    fence_acq_rel_gpu();  // release: the partials are visible GPU-wide before the count says so
     const uint32_t before = atomicAdd(counter, 1u);
     const bool last = before + 1u == static_cast<uint32_t>(active);
     if (last) {
       *counter = 0u;
-      __threadfence();  // acquire: the other splits' partials, released before their counts
+      fence_acq_rel_gpu();  // acquire: the other splits' partials, released before their counts
     }
     last_flag = last ? 1 : 0;
   }

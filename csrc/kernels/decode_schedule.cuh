@@ -29,6 +29,7 @@ __device__ __forceinline__ int schedule_row_keys(const Params& p, int seqlen) {
 struct RankedRow {
   int row;
   int seqlen;  // its seqlens_k, so that the kernel need not read it again after the ranking
+  int own;     // seqlens_k[threadIdx.x] when threadIdx.x < batch (else 0): the fused row checks' first
 };
 
 // The batch row of rank `rank`. Called by every thread of the CTA (it synchronises). Batches of
@@ -37,9 +38,9 @@ template <int kThreads>
 __device__ RankedRow longest_first_row(const Params& p, int rank) {
   __shared__ int row_keys[kThreads];
   __shared__ int2 claim;
-  if (p.batch > kThreads) return RankedRow{rank, pdl_early_read(p.seqlens_k + rank)};
   const int tid = threadIdx.x;
   const int seqlen = tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
+  if (p.batch > kThreads) return RankedRow{rank, pdl_early_read(p.seqlens_k + rank), seqlen};
   const int mine = tid < p.batch ? schedule_row_keys(p, seqlen) : -1;
   row_keys[tid] = mine;
   __syncthreads();
@@ -54,7 +55,7 @@ __device__ RankedRow longest_first_row(const Params& p, int rank) {
     if (before == rank) claim = make_int2(tid, seqlen);
   }
   __syncthreads();
-  return RankedRow{claim.x, claim.y};
+  return RankedRow{claim.x, claim.y, seqlen};
 }
 
 }  // namespace detail
