@@ -59,12 +59,8 @@ struct DecodeCfg {
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
   static constexpr int kStages = kRegK ? (D <= 64 ? 8 : 5) : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
   static constexpr int kKChunks = kRegK ? D / 32 : 1;  // kRegK: 16-byte K chunks a lane holds a key
-  // kRegK: register sets of K, each one tile of this warp's keys, so kKSets - 1 tiles of K are
-  // in flight while a tile computes. Q's fragments are read from shared memory each tile
-  // instead of held, which leaves the registers for the third set.
-  static constexpr int kKSets = kRegK ? 3 : 1;
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  static constexpr bool kQInRegs = D <= 128 && !kRegK;
+  static constexpr bool kQInRegs = D <= 128;
   static constexpr size_t kQBytes = 16 * kStride * 2;
   static constexpr size_t kNewBytes = 2 * D * 2;
   static constexpr size_t kAlignPad = kTma ? 1024 : 0;  // the swizzled stages start 1024-byte aligned
@@ -450,16 +446,13 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
   }
 
-  // kRegK: K of tiles 0, 1, 2, 3, ... in sets 0, 1, 2, 0, ... (one dummy set otherwise). The
-  // first tiles go out now, with the first V slices and before the Q rows, so that a short
-  // split waits for one memory round trip, not two (Q's RoPE tables and Q itself are a round
-  // trip of their own).
-  uint4 k_sets[Cfg::kKSets][2][kKU];
+  // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, with the
+  // first V slices and before the Q rows, so that a split of one or two tiles waits for one
+  // memory round trip, not two (Q's RoPE tables and Q itself are a round trip of their own).
+  uint4 k_even[2][kKU], k_odd[2][kKU];
   if constexpr (kRegK) {
-#pragma unroll
-    for (int s = 0; s < Cfg::kKSets; ++s) {
-      if (s < ntiles) load_k(s, k_sets[s]);
-    }
+    load_k(0, k_even);
+    if (ntiles > 1) load_k(1, k_odd);
   }
 
   // Q rows (RoPE'd, rounded to T) while the first tiles are in flight; rows >= nh are zero.
@@ -544,7 +537,16 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   __syncthreads();
 
   uint32_t qa[Cfg::kQInRegs ? D / 16 : 1][4];
-  if constexpr (Cfg::kQInRegs) {
+  if constexpr (kRegK) {  // in the K fragments' column order (load_k)
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const T* q0 = q_s + (lane >> 2) * kStride + (kk >> 1) * 32 + (lane & 3) * 8 + (kk & 1) * 4;
+      qa[kk][0] = *reinterpret_cast<const uint32_t*>(q0);
+      qa[kk][1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * kStride);
+      qa[kk][2] = *reinterpret_cast<const uint32_t*>(q0 + 2);
+      qa[kk][3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * kStride + 2);
+    }
+  } else if constexpr (Cfg::kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[kk], q_s + (lane & 15) * kStride + kk * 16 + (lane >> 4) * 8);
   }
@@ -622,29 +624,18 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     if constexpr (kRegK) {
-      // Q's fragments in the K fragments' column order (load_k): for k-steps 2u and 2u + 1,
-      // lane (r, q) needs columns u * 32 + q * 8 + (0..7) of head rows r and r + 8, one 16-byte
-      // load each.
-      const T* const q_lane = q_s + (lane >> 2) * kStride + (lane & 3) * 8;
 #pragma unroll
-      for (int u = 0; u < D / 32; ++u) {
-        const uint4 lo = *reinterpret_cast<const uint4*>(q_lane + u * 32);
-        const uint4 hi = *reinterpret_cast<const uint4*>(q_lane + 8 * kStride + u * 32);
-        const uint32_t a_even[4] = {lo.x, hi.x, lo.y, hi.y};
-        const uint32_t a_odd[4] = {lo.z, hi.z, lo.w, hi.w};
+      for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
         for (int grp = 0; grp < 2; ++grp) {
-          const uint4& c = kc[grp][u];
-          mma16816<T>(sc[grp], a_even, c.x, c.y);
-          mma16816<T>(sc[grp], a_odd, c.z, c.w);
+          const uint4& c = kc[grp][kk >> 1];
+          mma16816<T>(sc[grp], qa[kk], (kk & 1) ? c.z : c.x, (kk & 1) ? c.w : c.y);
         }
       }
-      // kc is spent: it takes tile + kKSets (the other sets hold the tiles between), so
-      // kKSets - 1 tiles of K stay in flight behind the compute. (With one set and one tile
-      // ahead, rows of one CTA an SM ran up to 1.25x slower than TMA; with two sets the
-      // warps' top stall at B8 L32768 was still the wait for this tile's K: Nsight Compute,
-      // twenty-third round, 39% of the stall samples.)
-      if (tile + Cfg::kKSets < ntiles) load_k(tile + Cfg::kKSets, kc);
+      // kc is spent: it takes tile + 2 (the other set holds tile + 1), so two tiles of K stay
+      // in flight behind the compute with two register sets. (With one, a CTA an SM kept only
+      // 16 KB of K in flight, and rows with one CTA an SM ran up to 1.25x slower than TMA.)
+      if (tile + 2 < ntiles) load_k(tile + 2, kc);
     }
 #pragma unroll
     for (int kk = 0; kk < (kRegK ? 0 : D / 16); ++kk) {
@@ -725,12 +716,14 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
     }
   };
-  // kRegK: kKSets tiles a step, so that the K register sets rotate without copies.
-  for (int tile = 0; tile < ntiles; tile += Cfg::kKSets) {
-#pragma unroll
-    for (int s = 0; s < Cfg::kKSets; ++s) {
-      if (s == 0 || tile + s < ntiles) tile_step(tile + s, k_sets[s]);
+  if constexpr (kRegK) {
+    // Two tiles a step, so that the K registers alternate without copies.
+    for (int tile = 0; tile < ntiles; tile += 2) {
+      tile_step(tile, k_even);
+      if (tile + 1 < ntiles) tile_step(tile + 1, k_odd);
     }
+  } else {
+    for (int tile = 0; tile < ntiles; ++tile) tile_step(tile, k_even);
   }
   if constexpr (!kTma) cp_async_wait<0>();  // (every TMA load was waited for in the loop)
 
