@@ -164,9 +164,13 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
-// Coherent read of the sticky error word (never cached in L1).
+// Coherent read of the sticky error word (never cached in L1): a strong load at GPU scope. The
+// word (cudaMalloc'd device memory) may be set by another stream's kernel at any time. (A
+// volatile load is a system-scope one, LDG.E.STRONG.SYS, which device memory does not need.)
 __device__ __forceinline__ uint32_t read_error_word(const uint32_t* w) {
-  return *reinterpret_cast<const volatile uint32_t*>(w);
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(w) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void pdl_wait() {
