@@ -7,7 +7,8 @@
 #          sanitizer tools in GQA_SANITIZE_TOOLS at once over GQA_SANITIZE_K.
 # Every process gets a share of the CPU threads. All must end by GQA_DEADLINE seconds from the
 # start (default 540: the device tool stops a command at 600). The logs go to
-# $OUT/gpu_pair.tgz, the summaries to stdout.
+# $OUT/gpu_pair.tgz, the summaries to stdout. On one GPU: GQA_TEST_GPU=0 with GQA_GPU0_STEPS=none
+# (the tests alone, in their processes; no benchmarks beside them).
 #   GQA_TEST_K="prefill and not decode" GQA_SANITIZE_K="prefill_sizes and 513" bash scripts/gpu_pair.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -33,14 +34,16 @@ rest=$(printf ' or (%s)' "${terms[@]}"); parts+=("not (${rest# or })")
 pids=(); i=0
 for part in "${parts[@]}"; do
   i=$((i + 1)); echo "-k ($k) and ($part)" > "$L/g1/tests_$i.log"
-  CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=$threads timeout "$(left)" python3 -m pytest ${GQA_TESTS:-tests/test_cuda.py} -q -ra \
+  CUDA_VISIBLE_DEVICES=${GQA_TEST_GPU:-1} OMP_NUM_THREADS=$threads timeout "$(left)" python3 -m pytest ${GQA_TESTS:-tests/test_cuda.py} -q -ra \
     -p no:cacheprovider -o faulthandler_timeout=100 --durations=10 -k "($k) and ($part)" \
     >> "$L/g1/tests_$i.log" 2>&1 &
   pids+=($!)
 done
 
 ( export CUDA_VISIBLE_DEVICES=0
-  GQA_LOG_DIR=$L/g0 GQA_NESTED=1 bash scripts/gpu_check.sh ${GQA_GPU0_STEPS:-prefill}
+  if [ "${GQA_GPU0_STEPS:-prefill}" != none ]; then
+    GQA_LOG_DIR=$L/g0 GQA_NESTED=1 bash scripts/gpu_check.sh ${GQA_GPU0_STEPS:-prefill}
+  fi
   echo "GPU 0's steps done at $(( $(date +%s) - t0 )) s"
   if [ -n "${GQA_SANITIZE_K:-}" ]; then
     GQA_LOG_DIR=$L/g0 GQA_NESTED=1 GQA_OMP_THREADS=$threads GQA_SANITIZE_TIMEOUT=$(( $(left) - 5 )) \

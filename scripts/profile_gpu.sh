@@ -3,7 +3,8 @@
 # over the decode/merge/prefill kernels of each row. Full ncu output: $OUT/ncu_<row>.log; the
 # key lines are printed. Usage: bash scripts/profile_gpu.sh [rows...]; GQA_PREFILL_ROUTE picks the
 # prefill kernel (see _C._set_prefill_route; default auto); GQA_SASS=1 also keeps each report and
-# writes the per-instruction stall samples (sass_<row>.csv, hotspots_<row>.txt).
+# writes the per-instruction stall samples (sass_<row>.csv, hotspots_<row>.txt); GQA_NCU_CACHE=none
+# keeps the caches (instructions too) warm between ncu's passes, as back-to-back calls do.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -18,7 +19,7 @@ fi
 route=${GQA_PREFILL_ROUTE:-auto}
 python3 scripts/profile_decode.py --mode timeline --prefill-route "$route" --row $rows 2>&1 | grep -v Warning
 for row in $rows; do
-  ncu --clock-control none -k "regex:decode_mma|merge_kernel|prefill_mma|prep_kernel" --launch-skip 2 --launch-count 2 \
+  ncu --clock-control none --cache-control "${GQA_NCU_CACHE:-all}" -k "regex:decode_mma|merge_kernel|prefill_mma|prep_kernel" --launch-skip 2 --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section ComputeWorkloadAnalysis --section SourceCounters \
     ${GQA_SASS:+-o "$OUT/rep_$row"} python3 scripts/profile_decode.py --mode ncu --prefill-route "$route" --row "$row" \
