@@ -29,7 +29,7 @@ __device__ __forceinline__ int schedule_row_keys(const Params& p, int seqlen) {
 struct RankedRow {
   int row;
   int seqlen;  // its seqlens_k, so that the kernel need not read it again after the ranking
-  int own;     // seqlens_k[threadIdx.x] when threadIdx.x < batch (else 0): the fused row checks' first
+  int own;     // seqlens_k[threadIdx.x] (0 past the batch): the fused row checks start there
 };
 
 // The batch row of rank `rank`. Called by every thread of the CTA (it synchronises). Batches of
