@@ -171,7 +171,8 @@ class Case:
         return gqa_torch.group_query_attention_(*self.op_args(), **self.attrs)
 
     def reference(self):
-        """(out float64, expected key cache, expected value cache) computed on CPU copies."""
+        """(out float64, expected key cache, expected value cache), computed on the CPU. The
+        case's own tensors are not modified: the expected caches are new tensors."""
         cpu = self.to("cpu")
         args = cpu.op_args()
         if self.op == "functional":

@@ -129,9 +129,11 @@ def attend_row(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, total: int, *
     num_heads, kv_heads = q.shape[1], k.shape[0]
     group = num_heads // kv_heads
     keys = torch.arange(total)
-    k = k[:, :total].double().repeat_interleave(group, dim=0)  # [Hq, total, D]: head h reads h // G
-    v = v[:, :total].double().repeat_interleave(group, dim=0)
-    scores = scale * torch.einsum("shd,hjd->hsj", q, k)  # [Hq, S', total]
+    k = k[:, :total].double()  # [Hkv, total, D]: query head h reads kv head h // G
+    v = v[:, :total].double()
+    # The query heads grouped by kv head ([S', Hkv, G, D]), so K and V are not repeated G times.
+    q_grouped = q.reshape(q.shape[0], kv_heads, group, q.shape[2])
+    scores = scale * torch.einsum("skgd,kjd->kgsj", q_grouped, k).reshape(num_heads, q.shape[0], total)
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     visible = keys[None, :] <= positions[:, None]
@@ -146,8 +148,8 @@ def attend_row(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, total: int, *
     top = logits.max(dim=-1, keepdim=True).values
     weights = torch.exp(logits - top)
     probs = weights / weights.sum(dim=-1, keepdim=True)
-    out = torch.einsum("hsj,hjd->shd", probs[..., :total], v)
-    return out
+    probs = probs[..., :total].reshape(kv_heads, group, q.shape[0], total)
+    return torch.einsum("kgsj,kjd->skgd", probs, v).reshape(q.shape[0], num_heads, v.shape[2])
 
 
 # ---- the operators ---------------------------------------------------------------------------
