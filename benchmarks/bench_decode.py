@@ -32,6 +32,9 @@ LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
 # The decode kernel's row orders pinned (auto takes the rows longest first where the plan says so).
 SCHEDULE_COLUMNS = ["rows", "longest_first"]
+# The decode kernel with every feature compiled in (auto takes the build without RoPE, softcap,
+# windows, sinks and smooth softmax for these calls, which use none of them).
+FEATURE_COLUMNS = ["general"]
 
 
 def pinned(step, switch, value):
@@ -100,7 +103,8 @@ def decode_table(args):
                  "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
         for switch, values, prefix in ((gqa_torch._C._set_decode_loader, LOADER_COLUMNS, ""),
                                        (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_"),
-                                       (gqa_torch._C._set_decode_schedule, SCHEDULE_COLUMNS, "schedule_")):
+                                       (gqa_torch._C._set_decode_schedule, SCHEDULE_COLUMNS, "schedule_"),
+                                       (gqa_torch._C._set_decode_features, FEATURE_COLUMNS, "features_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
         times = time_graphs_interleaved(steps, n)

@@ -568,6 +568,24 @@ def test_cuda_decode(dtype, batch, past, op, decode_merge):
         _run_cuda_and_cpu(case)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("features", ["auto", "general"])
+def test_cuda_decode_plain_kernel(dtype, head_dim, features):
+    """Calls that use no RoPE, softcap, window, sink or smooth softmax take the decode kernel
+    compiled without them ("auto"); the general kernel ("general") must give them the same
+    results. In place (the fused path: the new key is patched into the warp that reads it) and
+    functional, ragged rows over one and several splits, and a 20-head group (two head chunks)."""
+    gqa_torch._C._set_decode_features(features)
+    try:
+        for i, op in enumerate(["inplace", "functional"]):
+            case = make_case(op, batch=4, seq=1, num_heads=[8, 20][i], kv_num_heads=[2, 1][i], head_dim=head_dim,
+                             capacity=3016, past_lengths=[0, 63, 700, 2999], dtype=DTYPES[dtype], layout=i)
+            _run_cuda_and_cpu(case)
+    finally:
+        gqa_torch._C._set_decode_features("auto")
+
+
 @pytest.fixture(params=["cp_async", "tma", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a

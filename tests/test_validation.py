@@ -625,6 +625,10 @@ def test_tuning_switches_name_what_they_expect():
     with pytest.raises(ValueError, match=r'gqa: decode schedule: expected one of auto, rows, longest_first, got "even"'):
         gqa_torch._C._set_decode_schedule("even")
     gqa_torch._C._set_decode_schedule("auto")
+    with pytest.raises(ValueError, match=r'gqa: decode features: expected one of auto, general, got "plain"'):
+        gqa_torch._C._set_decode_features("plain")
+    gqa_torch._C._set_decode_features("general")
+    gqa_torch._C._set_decode_features("auto")
     with pytest.raises(ValueError, match=r'gqa: prefill append: expected one of auto, prep, got "kernel"'):
         gqa_torch._C._set_prefill_append("kernel")
     gqa_torch._C._set_prefill_append("prep")

@@ -210,12 +210,16 @@ __device__ __forceinline__ float warp_sum(float x) {
 struct KeyRange {
   int32_t lo, hi;
 };
-__device__ __forceinline__ KeyRange visible_keys(const Params& p, int32_t total, int32_t pos) {
+// `window`: p.local_window (<= 0: off).
+__device__ __forceinline__ KeyRange visible_keys(int32_t window, int32_t total, int32_t pos) {
   KeyRange r;
   r.hi = min(total, pos + 1);
-  r.lo = p.local_window > 0 ? max(0, pos - p.local_window + 1) : 0;
+  r.lo = window > 0 ? max(0, pos - window + 1) : 0;
   if (r.hi < r.lo) r.hi = r.lo;
   return r;
+}
+__device__ __forceinline__ KeyRange visible_keys(const Params& p, int32_t total, int32_t pos) {
+  return visible_keys(p.local_window, total, pos);
 }
 
 // Multiplier that turns an unnormalised accumulator (relative to running max `m`, log2 units,
@@ -233,6 +237,16 @@ __device__ __forceinline__ float final_factor(const Params& p, int h, float m, f
   if (p.head_sink != nullptr) den += exp2f(sink - mx);
   if (p.smooth_softmax) den += exp2f(-mx);
   return (l > 0.f && den > 0.f) ? s1 / den : 0.f;
+}
+// final_factor for a kernel compiled for calls with no head sink and no smooth softmax when
+// kPlain (the same value: s1 = 1 and den = l there).
+template <bool kPlain>
+__device__ __forceinline__ float final_factor_t(const Params& p, int h, float m, float l) {
+  if constexpr (kPlain) {
+    return (m != -INFINITY && l > 0.f) ? 1.f / l : 0.f;
+  } else {
+    return final_factor(p, h, m, l);
+  }
 }
 
 // cos/sin of rotary pair i at position pos, in fp32, whatever dtype the cache holds.

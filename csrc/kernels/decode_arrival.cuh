@@ -54,8 +54,8 @@ __device__ __forceinline__ bool arrive_last(uint32_t* counter, int active) {
 // The merging CTA: each thread takes four consecutive columns of one query head and combines
 // the active splits' partials, kBatch splits of loads in flight at a time (L2 reads: __ldcg,
 // since L1 is not coherent with the other SMs' stores). `part` is the slot's first partial
-// index (row h0's split 0), as in the decode kernel.
-template <typename T, int D, int kThreads>
+// index (row h0's split 0), as in the decode kernel; kPlain as the decode kernel's.
+template <typename T, int D, int kThreads, bool kPlain>
 __device__ void arrival_merge_splits(const Params& p, const Work& w, int64_t part, int active, int h0, int nh,
                                      T* out_row) {
   constexpr int kUnitsPerRow = D / 4;
@@ -106,7 +106,7 @@ __device__ void arrival_merge_splits(const Params& p, const Work& w, int64_t par
       }
       m = mb;
     }
-    const float f = poisoned ? quiet_nan() : final_factor(p, h0 + row, m, l);
+    const float f = poisoned ? quiet_nan() : final_factor_t<kPlain>(p, h0 + row, m, l);
     T* dst = out_row + (h0 + row) * head_stride + d;
     dst[0] = from_f<T>(acc.x * f);
     dst[1] = from_f<T>(acc.y * f);

@@ -87,8 +87,9 @@ struct DecodeCacheMaps {
 // its unit, with every active split's max and sum and every CTA's status, from the other CTAs'
 // shared memory (the loads come first in the source; ptxas puts some of the max between them),
 // combines them, and writes the output (NaN if any CTA of the cluster took the error path). A
-// second barrier keeps every CTA's shared memory alive until the last read.
-template <typename T, int D, int kThreads>
+// second barrier keeps every CTA's shared memory alive until the last read. kPlain as the
+// decode kernel's.
+template <typename T, int D, int kThreads, bool kPlain>
 __device__ __forceinline__ void cluster_merge_splits(const Params& p, int active, int h0, int nh, T* out_row,
                                                      const float2* fin_ml, const float* x_out,
                                                      const uint32_t* x_status) {
@@ -133,7 +134,7 @@ __device__ __forceinline__ void cluster_merge_splits(const Params& p, int active
         acc.w = fmaf(part[s].w, e, acc.w);
       }
     }
-    const float f = status != 0 ? quiet_nan() : final_factor(p, h0 + row, m, l);
+    const float f = status != 0 ? quiet_nan() : final_factor_t<kPlain>(p, h0 + row, m, l);
     T* dst = out_row + (h0 + row) * head_stride + d;
     dst[0] = from_f<T>(acc.x * f);
     dst[1] = from_f<T>(acc.y * f);
@@ -156,7 +157,13 @@ __device__ __forceinline__ void cluster_idle() {
 // boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
 // (kRegK: V only; each lane loads its part of K into registers, see load_k); otherwise the CTA
 // copies whole tiles with cp.async between two barriers a tile.
-template <typename T, int D, int kLoader>
+//
+// kPlain: compiled for calls that use none of RoPE, softcap, a local window, head sinks and
+// smooth softmax (launch_decode_loader picks it at run time). Those features are run-time
+// flags in the general kernel, where they cost no issue slots when off but do cost code on the
+// path: at B = 1 a warp runs about 1,460 instructions through one tile, and its largest stall
+// is waiting for instructions to be fetched (twenty-third round). kPlain compiles them out.
+template <typename T, int D, int kLoader, bool kPlain>
 __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
                       const __grid_constant__ DecodeCacheMaps maps) {
@@ -181,6 +188,11 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   __shared__ float2 fin_ml[16];  // per query head: the CTA's running max (log2) and sum
   __shared__ uint32_t x_status;  // w.cluster_merge: nonzero when this CTA took the error path
   __shared__ __align__(8) uint64_t slice_full[kTma ? Cfg::kWarps * kStages : 1];  // [warp][stage]
+
+  // The features, constant under kPlain.
+  const bool rotary = !kPlain && p.do_rotary;
+  const int32_t window = kPlain ? -1 : p.local_window;
+  const float softcap = kPlain ? 0.f : p.softcap;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -227,7 +239,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const RowGeometry g = row_geometry(p, seqlen);
   // The one query token sits at position query_start; it sees [lo, hi) (used once the row
   // checks pass).
-  const KeyRange vis = visible_keys(p, g.total, g.query_start);
+  const KeyRange vis = visible_keys(window, g.total, g.query_start);
   const int n = vis.hi - vis.lo;
   const int active = active_splits(n, w.max_splits, w.min_split_keys);
   const int chunk = (n + active - 1) / active;
@@ -253,9 +265,18 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   };
   const TokenStrides qs = p.query_strides;
   const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
-  const bool rope_vec = rope_vec_ok(p, static_cast<int>(sizeof(T)), p.do_rotary);
+  // A row in 16-byte units (rope_vec_units; without RoPE each unit is one chunk, copied).
+  const bool rope_vec = kPlain || rope_vec_ok(p, static_cast<int>(sizeof(T)), rotary);
   const bool q_vec = aligned16(qsrc, qs.head) && rope_vec;
-  const int q_units = rope_vec_units(p, static_cast<int>(sizeof(T)), p.do_rotary);  // also a new key's
+  const int q_units = kPlain ? D / kE : rope_vec_units(p, static_cast<int>(sizeof(T)), rotary);  // also a new key's
+  auto unit_chunks = [&](int u, int& c0, int& c1) {
+    if constexpr (kPlain) {
+      c0 = u;
+      c1 = -1;
+    } else {
+      rope_unit_chunks(p, static_cast<int>(sizeof(T)), rotary, u, c0, c1);
+    }
+  };
   const T* const ksrc = static_cast<const T*>(p.key) + b * p.key_strides.batch + kvh * p.key_strides.head;
   const T* const vsrc = static_cast<const T*>(p.value) + b * p.value_strides.batch + kvh * p.value_strides.head;
   const bool kv_pre = kPrefetch && fused && aligned16(ksrc, 0) && aligned16(vsrc, 0) && rope_vec;
@@ -269,7 +290,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (q_vec && i < nh * q_units) {
         const int r = i / q_units;
         int c0, c1;
-        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, i - r * q_units, c0, c1);
+        unit_chunks(i - r * q_units, c0, c1);
         const uint4* const row = reinterpret_cast<const uint4*>(qsrc + (h0 + r) * qs.head);
         q_pre[j][0] = row[c0];
         if (c1 >= 0) q_pre[j][1] = row[c1];
@@ -277,7 +298,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
     if (kv_pre && tid < q_units) {
       int c0, c1;
-      rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
+      unit_chunks(tid, c0, c1);
       k_pre[0] = reinterpret_cast<const uint4*>(ksrc)[c0];
       if (c1 >= 0) k_pre[1] = reinterpret_cast<const uint4*>(ksrc)[c1];
     }
@@ -289,7 +310,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
       const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
       uint32_t f = gb.flags;
-      if (f == 0 && p.do_rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
+      if (f == 0 && rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
       if (f != 0) {
         bad |= f;
         if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
@@ -333,7 +354,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
     if (w.cluster_merge) {
       if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
-      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
+      cluster_merge_splits<T, D, Cfg::kThreads, kPlain>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
       return;
     }
     for (int i = tid; i < nh * D; i += Cfg::kThreads) {
@@ -343,7 +364,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
     }
     if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
-      arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
+      arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
     return;
   }
 
@@ -460,7 +481,16 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // load and one store a unit instead of an element each: the element path was the kernel's
   // top stall at B=1, each 2-byte shared store waiting on its own global load); else a warp
   // a row, element by element.
-  const int64_t rot_pos = p.do_rotary ? rotary_position(p, g, b, 0) : 0;
+  const int64_t rot_pos = rotary ? rotary_position(p, g, b, 0) : 0;
+  // Unit u from its chunks as read (rope_unit_rotate).
+  auto unit_rotate = [&](const uint4& x0, const uint4& x1, int u, uint4& y0, uint4& y1) {
+    if constexpr (kPlain) {
+      y0 = x0;
+      y1 = x1;
+    } else {
+      rope_unit_rotate<T>(p, x0, x1, rotary, rot_pos, u, y0, y1);
+    }
+  };
   {
     if (q_vec) {
       if constexpr (kPrefetch) {  // the units read after the PDL wait
@@ -470,17 +500,24 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
           if (i >= nh * q_units) continue;
           const int r = i / q_units, u = i - r * q_units;
           int c0, c1;
-          rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, u, c0, c1);
+          unit_chunks(u, c0, c1);
           uint4 y0, y1;
-          rope_unit_rotate<T>(p, q_pre[j][0], q_pre[j][1], p.do_rotary, rot_pos, u, y0, y1);
+          unit_rotate(q_pre[j][0], q_pre[j][1], u, y0, y1);
           uint4* const row = reinterpret_cast<uint4*>(q_s + r * kStride);
           row[c0] = y0;
           if (c1 >= 0) row[c1] = y1;
         }
       } else {
         for (int i = tid; i < nh * q_units; i += Cfg::kThreads) {
-          const int r = i / q_units;
-          rope_unit_vec<T>(p, qsrc + (h0 + r) * qs.head, q_s + r * kStride, p.do_rotary, rot_pos, i - r * q_units);
+          const int r = i / q_units, u = i - r * q_units;
+          int c0, c1;
+          unit_chunks(u, c0, c1);
+          const uint4* const src = reinterpret_cast<const uint4*>(qsrc + (h0 + r) * qs.head);
+          uint4 y0, y1;
+          unit_rotate(src[c0], c1 >= 0 ? src[c1] : make_uint4(0u, 0u, 0u, 0u), u, y0, y1);
+          uint4* const row = reinterpret_cast<uint4*>(q_s + r * kStride);
+          row[c0] = y0;
+          if (c1 >= 0) row[c1] = y1;
         }
       }
       for (int i = nh * (D / kE) + tid; i < 16 * (D / kE); i += Cfg::kThreads) {
@@ -491,7 +528,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       for (int r = warp; r < 16; r += Cfg::kWarps) {
         T* dst = q_s + r * kStride;
         if (r < nh) {
-          rope_row<T>(p, qsrc + (h0 + r) * qs.head, p.do_rotary, rot_pos, lane, 32, [&](int d, T v) { dst[d] = v; });
+          rope_row<T>(p, qsrc + (h0 + r) * qs.head, rotary, rot_pos, lane, 32, [&](int d, T v) { dst[d] = v; });
         } else {
           for (int d = lane; d < D; d += 32) dst[d] = from_f<T>(0.f);
         }
@@ -508,9 +545,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (kv_pre) {  // the units read after the PDL wait (cache rows are 16-byte aligned here)
       if (tid < q_units) {
         int c0, c1;
-        rope_unit_chunks(p, static_cast<int>(sizeof(T)), p.do_rotary, tid, c0, c1);
+        unit_chunks(tid, c0, c1);
         uint4 y0, y1;
-        rope_unit_rotate<T>(p, k_pre[0], k_pre[1], p.do_rotary, rot_pos, tid, y0, y1);
+        unit_rotate(k_pre[0], k_pre[1], tid, y0, y1);
         reinterpret_cast<uint4*>(new_s)[c0] = y0;
         if (c1 >= 0) reinterpret_cast<uint4*>(new_s)[c1] = y1;
         if (write_cache) {
@@ -523,7 +560,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
         if (write_cache) reinterpret_cast<uint4*>(vdst)[tid] = v_pre;
       }
     } else {
-      rope_row<T>(p, ksrc, p.do_rotary, rot_pos, tid, Cfg::kThreads, [&](int d, T v) {
+      rope_row<T>(p, ksrc, rotary, rot_pos, tid, Cfg::kThreads, [&](int d, T v) {
         new_s[d] = v;
         if (write_cache) kdst[d] = v;
       });
@@ -557,7 +594,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   float m_r[2] = {-INFINITY, -INFINITY};
   float l_r[2] = {0.f, 0.f};
   const float scale_l2 = p.scale * kLog2e;
-  const float softcap = p.softcap;
   // tanh's argument is score * (scale / softcap), with the quotient formed once and clamped:
   // as scale * (1 / softcap) a subnormal softcap made 1 / softcap inf, and a zero scale then
   // gave 0 * inf = NaN.
@@ -742,9 +778,13 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
   __syncthreads();  // all warps are done with the stages too: reuse them as the combine buffer
   float* o_s = reinterpret_cast<float*>(kv_s);  // [kWarps][16][D]
+  // Only the nh head rows are read back below: the upper eight rows are skipped whole (the test
+  // is warp-uniform) when nh <= 8, as at G = 4, and single rows past nh by their lanes.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    if (8 * r >= nh) break;
     const int row = gr + 8 * r;
+    if (row >= nh) continue;
     float M = -INFINITY;
 #pragma unroll
     for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][row]);
@@ -788,7 +828,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (w.cluster_merge && active > 1) {
       *reinterpret_cast<float4*>(x_out + row * D + d) = acc;
     } else if (active == 1) {
-      const float f = final_factor(p, h0 + row, M, L);
+      const float f = final_factor_t<kPlain>(p, h0 + row, M, L);
       T* dst = out_row + (h0 + row) * os.head + d;
       dst[0] = from_f<T>(acc.x * f);
       dst[1] = from_f<T>(acc.y * f);
@@ -796,18 +836,20 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       dst[3] = from_f<T>(acc.w * f);
     } else {
       const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
-      *reinterpret_cast<float4*>(w.partial_out + slot * D + d) = make_float4(acc.x / L, acc.y / L, acc.z / L, acc.w / L);
+      const float inv_l = 1.f / L;  // L >= 1: the split holds a key, and its largest weight is 1
+      *reinterpret_cast<float4*>(w.partial_out + slot * D + d) =
+          make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
       if (d == 0) w.partial_lse[slot] = M + log2f(L);
     }
   }
   if (w.cluster_merge) {
     if (active > 1) {
-      cluster_merge_splits<T, D, Cfg::kThreads>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
+      cluster_merge_splits<T, D, Cfg::kThreads, kPlain>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
     } else {
       cluster_idle();
     }
   } else if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b), active)) {
-    arrival_merge_splits<T, D, Cfg::kThreads>(p, w, part - split, active, h0, nh, out_row);
+    arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
 }
 
@@ -821,16 +863,19 @@ extern std::atomic<int> g_decode_loader;
 // a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
 // stream has arrival counters (else the merge kernel).
 extern std::atomic<int> g_decode_merge;
+// set_decode_features (launch.cu): 0 auto (the kPlain kernel for calls that use no feature it
+// compiles out), 1 the general kernel always.
+extern std::atomic<int> g_decode_features;
 
 // Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
 // or the last CTA of each to arrive); otherwise, with several splits, the caller runs the merge
 // kernel. w.arrivals: the stream's counters when there are enough of them, else null.
-template <typename T, int D, int kLoader>
-bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
+template <typename T, int D, int kLoader, bool kPlain>
+bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = (p.group_size + 15) / 16;
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
   const dim3 block(DecodeCfg<D>::kThreads);
-  constexpr auto kernel = decode_mma_kernel<T, D, kLoader>;
+  constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
   constexpr size_t smem = DecodeCfg<D, kLoader>::kSmem;
   ensure_smem<kernel>(smem, "decode_mma_kernel");
   // Auto merges in a cluster only in pairs of splits, and only while every CTA of the launch is
@@ -858,6 +903,15 @@ bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream
   launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
                           wk, fused ? 1 : 0, maps);
   return wk.cluster_merge != 0 || wk.arrivals != nullptr;
+}
+
+// The kPlain kernel where the call uses none of the features it compiles out.
+template <typename T, int D, int kLoader>
+bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
+  const bool plain = g_decode_features.load(std::memory_order_relaxed) == 0 && !p.do_rotary && !(p.softcap > 0.f) &&
+                     p.local_window <= 0 && p.head_sink == nullptr && !p.smooth_softmax;
+  return plain ? launch_decode_kernel<T, D, kLoader, true>(p, w, fused, stream, maps)
+               : launch_decode_kernel<T, D, kLoader, false>(p, w, fused, stream, maps);
 }
 
 template <typename T, int D>

@@ -23,11 +23,13 @@ namespace detail {
 std::atomic<int> g_decode_loader{0};
 std::atomic<int> g_decode_merge{0};
 std::atomic<int> g_decode_schedule{0};
+std::atomic<int> g_decode_features{0};
 }
 
 void set_decode_loader(int loader) { detail::g_decode_loader.store(loader, std::memory_order_relaxed); }
 void set_decode_merge(int merge) { detail::g_decode_merge.store(merge, std::memory_order_relaxed); }
 void set_decode_schedule(int schedule) { detail::g_decode_schedule.store(schedule, std::memory_order_relaxed); }
+void set_decode_features(int features) { detail::g_decode_features.store(features, std::memory_order_relaxed); }
 
 namespace {
 

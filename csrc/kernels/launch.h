@@ -36,5 +36,10 @@ void set_decode_merge(int merge);
 // order.
 void set_decode_schedule(int schedule);
 
+// Tests and benchmarks: which build of the tensor-core decode kernel runs. 0 auto (one compiled
+// without RoPE, softcap, local windows, head sinks and smooth softmax for the calls that use
+// none of them; decode_mma.cuh, kPlain), 1 the general kernel always.
+void set_decode_features(int features);
+
 }  // namespace cuda
 }  // namespace gqa

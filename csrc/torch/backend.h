@@ -64,6 +64,12 @@ void set_decode_merge(const std::string& merge);
 // (decreasing visible length). No-op in a CPU-only build.
 void set_decode_schedule(const std::string& schedule);
 
+// Tests and benchmarks: which build of the tensor-core decode kernel runs, "auto" (the default:
+// one compiled without RoPE, softcap, local windows, head sinks and smooth softmax for the
+// calls that use none of them) or "general" (the kernel with every feature, always). No-op in a
+// CPU-only build.
+void set_decode_features(const std::string& features);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

@@ -40,7 +40,21 @@ int switch_code(const char* const (&names)[N], const std::string& name, const ch
   TORCH_CHECK_VALUE(false, "gqa: ", what, ": expected one of ", listed, ", got \"", name, "\"");
   return -1;  // not reached
 }
+
+// Sets one of the kernels' switches to the index of `name` in `names` through `set`, which is
+// null in a CPU-only build (the name is still checked there).
+template <size_t N>
+void set_switch(const char* const (&names)[N], const std::string& name, const char* what, void (*set)(int)) {
+  const int code = switch_code(names, name, what);
+  if (set != nullptr) set(code);
+}
 }  // namespace
+
+#ifdef GQA_WITH_CUDA
+#define GQA_CUDA_SWITCH(setter) (&cuda::setter)
+#else
+#define GQA_CUDA_SWITCH(setter) nullptr
+#endif
 
 void set_prefill_route(const std::string& route) {
   // The index is the kernel's route code (prefill_mma.cu, launch_default).
@@ -49,21 +63,13 @@ void set_prefill_route(const std::string& route) {
                                         "wgmma_ws_bn80", "wgmma_ws_kv_pipe_pp", "wgmma_ws_kv_pipe3", "x_head_groups", "x_group_rounds",
                                         "x_plain_pp", "x_one_step", "x_narrow_o", "x_q_first",
                                         "x_static_walk"};
-  const int code = switch_code(kRoutes, route, "prefill route");
-  (void)code;  // used by a CUDA build only
-#ifdef GQA_WITH_CUDA
-  cuda::set_prefill_route(code);
-#endif
+  set_switch(kRoutes, route, "prefill route", GQA_CUDA_SWITCH(set_prefill_route));
 }
 
 void set_prefill_q_loader(const std::string& loader) {
   // The index is the kernel's Q loader code (kernels/prefill_mma.h).
   static const char* const kLoaders[] = {"auto", "cp_async"};
-  const int code = switch_code(kLoaders, loader, "prefill Q loader");
-  (void)code;  // used by a CUDA build only
-#ifdef GQA_WITH_CUDA
-  cuda::set_prefill_q_loader(code);
-#endif
+  set_switch(kLoaders, loader, "prefill Q loader", GQA_CUDA_SWITCH(set_prefill_q_loader));
 }
 
 void set_prefill_timeline(const std::optional<at::Tensor>& records) {
@@ -86,41 +92,31 @@ void set_prefill_timeline(const std::optional<at::Tensor>& records) {
 void set_prefill_append(const std::string& append) {
   // The index is the kernel's append code (kernels/prefill_mma.h).
   static const char* const kAppends[] = {"auto", "prep"};
-  const int code = switch_code(kAppends, append, "prefill append");
-  (void)code;  // used by a CUDA build only
-#ifdef GQA_WITH_CUDA
-  cuda::set_prefill_append(code);
-#endif
+  set_switch(kAppends, append, "prefill append", GQA_CUDA_SWITCH(set_prefill_append));
 }
 
 void set_decode_loader(const std::string& loader) {
   // The index is the kernel's loader code (kernels/launch.h).
   static const char* const kLoaders[] = {"auto", "cp_async", "tma", "regs_k"};
-  const int code = switch_code(kLoaders, loader, "decode loader");
-  (void)code;  // used by a CUDA build only
-#ifdef GQA_WITH_CUDA
-  cuda::set_decode_loader(code);
-#endif
+  set_switch(kLoaders, loader, "decode loader", GQA_CUDA_SWITCH(set_decode_loader));
 }
 
 void set_decode_merge(const std::string& merge) {
   // The index is the merge code of kernels/launch.h.
   static const char* const kMerges[] = {"auto", "kernel", "cluster", "arrival"};
-  const int code = switch_code(kMerges, merge, "decode merge");
-  (void)code;  // used by a CUDA build only
-#ifdef GQA_WITH_CUDA
-  cuda::set_decode_merge(code);
-#endif
+  set_switch(kMerges, merge, "decode merge", GQA_CUDA_SWITCH(set_decode_merge));
 }
 
 void set_decode_schedule(const std::string& schedule) {
   // The index is the schedule code of kernels/launch.h.
   static const char* const kSchedules[] = {"auto", "rows", "longest_first"};
-  const int code = switch_code(kSchedules, schedule, "decode schedule");
-  (void)code;  // used by a CUDA build only
-#ifdef GQA_WITH_CUDA
-  cuda::set_decode_schedule(code);
-#endif
+  set_switch(kSchedules, schedule, "decode schedule", GQA_CUDA_SWITCH(set_decode_schedule));
+}
+
+void set_decode_features(const std::string& features) {
+  // The index is the features code of kernels/launch.h.
+  static const char* const kFeatures[] = {"auto", "general"};
+  set_switch(kFeatures, features, "decode features", GQA_CUDA_SWITCH(set_decode_features));
 }
 
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {

@@ -41,6 +41,10 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: the order in which the decode kernel takes the batch's rows, \"auto\" (the "
         "default: longest first where the plan says so), \"rows\" (row order) or \"longest_first\" (decreasing "
         "visible length, wherever it can run).");
+  m.def("_set_decode_features", &gqa::set_decode_features, pybind11::arg("features"),
+        "Tests and benchmarks: which build of the tensor-core decode kernel runs, \"auto\" (the default: one "
+        "compiled without RoPE, softcap, local windows, head sinks and smooth softmax for the calls that use none "
+        "of them) or \"general\" (the kernel with every feature, always).");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
