@@ -164,6 +164,15 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
+// 2^x by the SFU alone (ex2.approx.ftz: -inf gives 0, NaN stays NaN). exp2f adds a fix-up of a
+// few instructions for results below 2^-126, which this flushes to 0; the softmax weights are
+// relative to a maximum of weight 1, so such a weight changes no fp32 sum it is added to.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Coherent read of the sticky error word (never cached in L1): a strong load at GPU scope. The
 // word (cudaMalloc'd device memory) may be set by another stream's kernel at any time. (A
 // volatile load is a system-scope one, LDG.E.STRONG.SYS, which device memory does not need.)
@@ -441,6 +450,20 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   __half2 v = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Four consecutive output elements acc * f (fp16/bf16): one 8-byte store where dst is 8-byte
+// aligned, else four.
+template <typename T>
+__device__ __forceinline__ void store_scaled4(T* dst, const float4& acc, float f) {
+  if ((reinterpret_cast<uintptr_t>(dst) & 7u) == 0) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(acc.x * f, acc.y * f), pack2<T>(acc.z * f, acc.w * f));
+  } else {
+    dst[0] = from_f<T>(acc.x * f);
+    dst[1] = from_f<T>(acc.y * f);
+    dst[2] = from_f<T>(acc.z * f);
+    dst[3] = from_f<T>(acc.w * f);
+  }
 }
 
 template <typename T>

@@ -88,16 +88,17 @@ __device__ void arrival_merge_splits(const Params& p, const Work& w, int64_t par
         mb = fmaxf(mb, lse[u]);
       }
       if (mb == -INFINITY) continue;  // every split so far was empty
-      const float c = exp2f(m - mb);  // 0 while m is -inf
+      const float c = fast_exp2(m - mb);  // 0 while m is -inf
       l *= c;
       acc.x *= c;
       acc.y *= c;
       acc.z *= c;
       acc.w *= c;
+      // No branch a split: an empty split (its partial is zeros) or none (v is zeros) has a
+      // log-sum-exp of -inf, so weight 0. A poisoned one (NaN) makes the output NaN anyway.
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        if (lse[u] == -INFINITY) continue;  // an empty split (its partial is zeros) or none
-        const float e = exp2f(lse[u] - mb);
+        const float e = fast_exp2(lse[u] - mb);
         l += e;
         acc.x = fmaf(e, v[u].x, acc.x);
         acc.y = fmaf(e, v[u].y, acc.y);
@@ -107,11 +108,7 @@ __device__ void arrival_merge_splits(const Params& p, const Work& w, int64_t par
       m = mb;
     }
     const float f = poisoned ? quiet_nan() : final_factor_t<kPlain>(p, h0 + row, m, l);
-    T* dst = out_row + (h0 + row) * head_stride + d;
-    dst[0] = from_f<T>(acc.x * f);
-    dst[1] = from_f<T>(acc.y * f);
-    dst[2] = from_f<T>(acc.z * f);
-    dst[3] = from_f<T>(acc.w * f);
+    store_scaled4<T>(out_row + (h0 + row) * head_stride + d, acc, f);
   }
 }
 

@@ -126,7 +126,7 @@ __device__ __forceinline__ void cluster_merge_splits(const Params& p, int active
 #pragma unroll
     for (int s = 0; s < kMaxClusterSize; ++s) {
       if (s < active && ml[s].x != -INFINITY) {  // an empty split's x_out was never written
-        const float e = exp2f(ml[s].x - m);
+        const float e = fast_exp2(ml[s].x - m);
         l = fmaf(ml[s].y, e, l);
         acc.x = fmaf(part[s].x, e, acc.x);
         acc.y = fmaf(part[s].y, e, acc.y);
@@ -135,11 +135,7 @@ __device__ __forceinline__ void cluster_merge_splits(const Params& p, int active
       }
     }
     const float f = status != 0 ? quiet_nan() : final_factor_t<kPlain>(p, h0 + row, m, l);
-    T* dst = out_row + (h0 + row) * head_stride + d;
-    dst[0] = from_f<T>(acc.x * f);
-    dst[1] = from_f<T>(acc.y * f);
-    dst[2] = from_f<T>(acc.z * f);
-    dst[3] = from_f<T>(acc.w * f);
+    store_scaled4<T>(out_row + (h0 + row) * head_stride + d, acc, f);
   }
   // Every value read above was used, so the reads are complete: no release needed (one would
   // wait for the output stores).
@@ -200,7 +196,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int split = blockIdx.x;
   const int G = p.group_size;
   const int hchunks = (G + 15) >> 4;
-  const int kvh = blockIdx.y / hchunks;
+  const int kvh = hchunks == 1 ? static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y) / hchunks;  // G <= 16: no division
   const int hc = blockIdx.y - kvh * hchunks;
   // The row: the grid's own, or the row of that rank in decreasing length (which reads
   // seqlens_k only, before the PDL wait, and hands back the row's).
@@ -715,7 +711,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       const float mn = fmaxf(m_r[r], mx[r]);
       mu[r] = mn == -INFINITY ? 0.f : mn;
-      corr[r] = exp2f(m_r[r] - mu[r]);
+      corr[r] = fast_exp2(m_r[r] - mu[r]);
       m_r[r] = mn;
     }
     float rs[2] = {0.f, 0.f};
@@ -723,7 +719,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     for (int nn = 0; nn < 2; ++nn) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float pe = exp2f(sc[nn][e] - mu[e >> 1]);
+        const float pe = fast_exp2(sc[nn][e] - mu[e >> 1]);
         sc[nn][e] = pe;
         rs[e >> 1] += pe;
       }
@@ -788,7 +784,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     float M = -INFINITY;
 #pragma unroll
     for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][row]);
-    const float f = (m_r[r] == -INFINITY) ? 0.f : exp2f(m_r[r] - M);
+    const float f = (m_r[r] == -INFINITY) ? 0.f : fast_exp2(m_r[r] - M);
     float* dst = o_s + (warp * 16 + row) * D + 2 * (lane & 3);
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
@@ -803,7 +799,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 #pragma unroll
     for (int ww = 0; ww < Cfg::kWarps; ++ww) {
       const float mw = red_m[ww][tid];
-      if (mw != -INFINITY) L += red_l[ww][tid] * exp2f(mw - M);
+      if (mw != -INFINITY) L += red_l[ww][tid] * fast_exp2(mw - M);
     }
     fin_ml[tid] = make_float2(M, L);
   }
@@ -829,11 +825,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       *reinterpret_cast<float4*>(x_out + row * D + d) = acc;
     } else if (active == 1) {
       const float f = final_factor_t<kPlain>(p, h0 + row, M, L);
-      T* dst = out_row + (h0 + row) * os.head + d;
-      dst[0] = from_f<T>(acc.x * f);
-      dst[1] = from_f<T>(acc.y * f);
-      dst[2] = from_f<T>(acc.z * f);
-      dst[3] = from_f<T>(acc.w * f);
+      store_scaled4<T>(out_row + (h0 + row) * os.head + d, acc, f);
     } else {
       const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
       const float inv_l = 1.f / L;  // L >= 1: the split holds a key, and its largest weight is 1
