@@ -35,6 +35,8 @@ SCHEDULE_COLUMNS = ["rows", "longest_first"]
 # The decode kernel with every feature compiled in (auto takes the build without RoPE, softcap,
 # windows, sinks and smooth softmax for these calls, which use none of them).
 FEATURE_COLUMNS = ["general"]
+# The first K/V tiles issued after the error word and the row checks (auto: before them).
+EARLY_COLUMNS = ["off"]
 
 
 def pinned(step, switch, value):
@@ -104,7 +106,8 @@ def decode_table(args):
         for switch, values, prefix in ((gqa_torch._C._set_decode_loader, LOADER_COLUMNS, ""),
                                        (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_"),
                                        (gqa_torch._C._set_decode_schedule, SCHEDULE_COLUMNS, "schedule_"),
-                                       (gqa_torch._C._set_decode_features, FEATURE_COLUMNS, "features_")):
+                                       (gqa_torch._C._set_decode_features, FEATURE_COLUMNS, "features_"),
+                                       (gqa_torch._C._set_decode_early_tiles, EARLY_COLUMNS, "early_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
         times = time_graphs_interleaved(steps, n)

@@ -41,11 +41,21 @@ for step in $steps; do
     test)
       # Two shards at once (test_cuda.py, which is most of the device time, and the rest), each
       # with half the CPU threads; faulthandler dumps the stacks of a test stuck for 120 s.
+      # GQA_TEST_SPLIT (-k terms separated by ';') splits the GQA_TESTS shard further: a process
+      # for each term's matches and one for the rest (the ragged-batch settings, 40-80 s each).
       if [ -n "${GQA_TESTS:-}" ]; then shards=("$GQA_TESTS"); else shards=("tests/test_cuda.py" "tests --ignore=tests/test_cuda.py"); fi
+      ks=("${GQA_TEST_K:-}")
+      if [ -n "${GQA_TESTS:-}" ] && [ -n "${GQA_TEST_SPLIT:-}" ]; then
+        IFS=';' read -r -a terms <<< "$GQA_TEST_SPLIT"
+        rest=$(printf ' or (%s)' "${terms[@]}"); ks=()
+        for term in "${terms[@]}" "not (${rest# or })"; do ks+=("${GQA_TEST_K:+($GQA_TEST_K) and }($term)"); done
+        shards=(); for _ in "${ks[@]}"; do shards+=("$GQA_TESTS"); done
+      fi
       pids=(); i=0
       for shard in "${shards[@]}"; do
-        OMP_NUM_THREADS=${GQA_OMP_THREADS:-$(( $(nproc) / ${#shards[@]} ))} timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
-          -p no:cacheprovider -o faulthandler_timeout=120 --durations=10 ${GQA_TEST_K:+-k "$GQA_TEST_K"} ${GQA_TEST_ARGS:-} \
+        k=${ks[$i]:-${GQA_TEST_K:-}}
+        OMP_NUM_THREADS=${GQA_OMP_THREADS:-$(( $(nproc) / ${#shards[@]} > 0 ? $(nproc) / ${#shards[@]} : 1 ))} timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
+          -p no:cacheprovider -o faulthandler_timeout=120 --durations=10 ${k:+-k "$k"} ${GQA_TEST_ARGS:-} \
           > "$OUT/tests$i.log" 2>&1 &
         pids+=($!); i=$((i + 1))
       done

@@ -918,6 +918,25 @@ def _check_bad_row_on_tensor_cores(dtype, head_dim):
     run_and_check(valid, rotary_ulps=ROTARY_ULPS, suite="cuda")  # cleared: the next call is right
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("early", ["off", "on"])
+def test_cuda_decode_early_tiles_switch(head_dim, early):
+    """The decode kernel's first K/V tiles issued after the error word and the row checks
+    ("off") or before them ("on", auto's way): ragged rows in place and functional with three
+    feature sets, then the bad-row checks, where a valid row's CTAs have copies in flight when
+    the checks fail and must wait for them before they leave."""
+    gqa_torch._C._set_decode_early_tiles(early)
+    try:
+        for i, feat in enumerate(FEATURE_CYCLE[:3]):
+            case = make_case(["inplace", "functional"][i % 2], batch=3, seq=1, num_heads=8, kv_num_heads=2,
+                             head_dim=head_dim, capacity=1100, past_lengths=[1099, 5, 300], dtype=torch.bfloat16,
+                             layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+        _check_bad_row_on_tensor_cores("bf16", head_dim)
+    finally:
+        gqa_torch._C._set_decode_early_tiles("auto")
+
+
 def test_cuda_graph_replay_with_bad_row_sets_flags():
     """A bad seqlens_k during a replay sets the word; check_errors() after the replay raises
     with the flags, and the bad row's output is NaN."""

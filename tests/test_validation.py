@@ -629,6 +629,10 @@ def test_tuning_switches_name_what_they_expect():
         gqa_torch._C._set_decode_features("plain")
     gqa_torch._C._set_decode_features("general")
     gqa_torch._C._set_decode_features("auto")
+    with pytest.raises(ValueError, match=r'gqa: decode early tiles: expected one of auto, off, on, got "late"'):
+        gqa_torch._C._set_decode_early_tiles("late")
+    gqa_torch._C._set_decode_early_tiles("off")
+    gqa_torch._C._set_decode_early_tiles("auto")
     with pytest.raises(ValueError, match=r'gqa: prefill append: expected one of auto, prep, got "kernel"'):
         gqa_torch._C._set_prefill_append("kernel")
     gqa_torch._C._set_prefill_append("prep")

@@ -41,6 +41,9 @@ struct Work {
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
   // otherwise. They are zero between calls: the last CTA resets its counter.
   uint32_t* arrivals = nullptr;
+  // Decode on tensor cores: each CTA issues its split's first tiles right after the PDL wait,
+  // before the error word and the row checks (decode_mma.cuh); 0: after them.
+  int32_t early_tiles = 0;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -170,6 +173,13 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// log2(x) by the SFU alone (lg2.approx.ftz, absolute error about 2^-22): for the log-sum-exps
+// of the decode splits, whose sums are 1 or more; log2f adds a fix-up for subnormal inputs.
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 

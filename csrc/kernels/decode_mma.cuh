@@ -301,69 +301,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
   }
 
-  uint32_t bad = g.flags | word;
-  if (fused) {
-    for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
-      const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
-      uint32_t f = gb.flags;
-      if (f == 0 && rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
-      if (f != 0) {
-        bad |= f;
-        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
-      }
-    }
-  }
-  if (__syncthreads_or(bad != 0)) {
-    if (split == 0) {
-      for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-        const int r = i / D;
-        out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
-      }
-    }
-    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
-    // same for all of them), unless the error word changed between their reads of it (another
-    // stream's call): then they merge, see this status, and write NaN as well.
-    if (w.cluster_merge) {
-      if (tid == 0) x_status = 1u;
-      cluster_idle();
-    }
-    // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
-    // the merge write NaN, should another split have passed its checks).
-    if (w.arrivals != nullptr && active > 1 && split < active) {
-      const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
-      for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
-      if (arrive_last(arrival_counter(w, b), active)) {
-        for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-          const int r = i / D;
-          out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
-        }
-      }
-    }
-    return;
-  }
-
-  if (split >= active) {
-    if (w.cluster_merge) cluster_idle();
-    return;
-  }
-  const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
-  if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
-    if (w.cluster_merge) {
-      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
-      cluster_merge_splits<T, D, Cfg::kThreads, kPlain>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
-      return;
-    }
-    for (int i = tid; i < nh * D; i += Cfg::kThreads) {
-      const int r = i / D;
-      const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
-      w.partial_out[slot * D + (i - r * D)] = 0.f;
-      if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
-    }
-    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
-      arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
-    return;
-  }
-
   const TokenStrides cs = p.cache_strides;
   const T* kbase = static_cast<const T*>(p.key_cache) + b * cs.batch + kvh * cs.head;
   const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
@@ -450,18 +387,105 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
   };
 
-  if constexpr (kTma) {
+  // The split's first kStages - 1 tiles.
+  auto issue_first_tiles = [&]() {
+    if constexpr (kTma) {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < ntiles) load_slice(s, s);
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < ntiles) load_slice(s, s);
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < ntiles) load_tile(s, s);
+        cp_async_commit();
+      }
     }
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < ntiles) load_tile(s, s);
-      cp_async_commit();
+  };
+  // w.early_tiles: the first tiles go out now, before the error word's round trip and the row
+  // checks, so that the first K/V bytes (a memory round trip of their own) no longer wait for
+  // them; at one tile a warp this chain is the call. Only for a valid row's non-empty split,
+  // whose keys lie inside the capacity. Should the checks then fail, the CTA waits for those
+  // copies before it leaves (drain_first_tiles).
+  const bool early = w.early_tiles != 0 && g.flags == 0 && split < active && k0 < k1;
+  if (early) issue_first_tiles();
+  auto drain_first_tiles = [&]() {
+    if constexpr (kTma) {
+      if (lane == 0) {
+        for (int s = 0; s < kStages - 1 && s < ntiles; ++s) {
+          if (slice_keys(s) > 0) mbarrier_wait(slice_bars + 8u * s, 0);
+        }
+      }
+    } else {
+      cp_async_wait<0>();
+    }
+  };
+
+  uint32_t bad = g.flags | word;
+  if (fused) {
+    for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
+      const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
+      uint32_t f = gb.flags;
+      if (f == 0 && rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
+      if (f != 0) {
+        bad |= f;
+        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
+      }
     }
   }
+  if (__syncthreads_or(bad != 0)) {
+    if (early) drain_first_tiles();
+    if (split == 0) {
+      for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+        const int r = i / D;
+        out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+      }
+    }
+    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
+    // same for all of them), unless the error word changed between their reads of it (another
+    // stream's call): then they merge, see this status, and write NaN as well.
+    if (w.cluster_merge) {
+      if (tid == 0) x_status = 1u;
+      cluster_idle();
+    }
+    // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
+    // the merge write NaN, should another split have passed its checks).
+    if (w.arrivals != nullptr && active > 1 && split < active) {
+      const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+      for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
+      if (arrive_last(arrival_counter(w, b), active)) {
+        for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+          const int r = i / D;
+          out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
+        }
+      }
+    }
+    return;
+  }
+
+  if (split >= active) {
+    if (w.cluster_merge) cluster_idle();
+    return;
+  }
+  const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
+  if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
+    if (w.cluster_merge) {
+      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
+      cluster_merge_splits<T, D, Cfg::kThreads, kPlain>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
+      return;
+    }
+    for (int i = tid; i < nh * D; i += Cfg::kThreads) {
+      const int r = i / D;
+      const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
+      w.partial_out[slot * D + (i - r * D)] = 0.f;
+      if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
+    }
+    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
+      arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
+    return;
+  }
+
+  if (!early) issue_first_tiles();
 
   // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, with the
   // first V slices and before the Q rows, so that a split of one or two tiles waits for one
@@ -726,7 +750,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
     l_r[0] = l_r[0] * corr[0] + rs[0];
     l_r[1] = l_r[1] * corr[1] + rs[1];
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+    // (At the warp's first tile O is still zero: nothing to rescale.)
+    if (tile > 0 && __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) {
         o[i][0] *= corr[0];
@@ -831,7 +856,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       const float inv_l = 1.f / L;  // L >= 1: the split holds a key, and its largest weight is 1
       *reinterpret_cast<float4*>(w.partial_out + slot * D + d) =
           make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
-      if (d == 0) w.partial_lse[slot] = M + log2f(L);
+      if (d == 0) w.partial_lse[slot] = M + fast_log2(L);
     }
   }
   if (w.cluster_merge) {

@@ -24,12 +24,14 @@ std::atomic<int> g_decode_loader{0};
 std::atomic<int> g_decode_merge{0};
 std::atomic<int> g_decode_schedule{0};
 std::atomic<int> g_decode_features{0};
+std::atomic<int> g_decode_early_tiles{0};
 }
 
 void set_decode_loader(int loader) { detail::g_decode_loader.store(loader, std::memory_order_relaxed); }
 void set_decode_merge(int merge) { detail::g_decode_merge.store(merge, std::memory_order_relaxed); }
 void set_decode_schedule(int schedule) { detail::g_decode_schedule.store(schedule, std::memory_order_relaxed); }
 void set_decode_features(int features) { detail::g_decode_features.store(features, std::memory_order_relaxed); }
+void set_decode_early_tiles(int early) { detail::g_decode_early_tiles.store(early, std::memory_order_relaxed); }
 
 namespace {
 
@@ -73,6 +75,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
       w.arrivals = p.arrival_counters;
     const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
     w.longest_first = tc && (schedule == 2 || (schedule == 0 && plan.longest_first)) ? 1 : 0;
+    w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;
     const bool fused = tc && p.inplace;
     if (!fused) detail::launch_prep(p, /*check_positions=*/true, stream);
     bool merged = false;

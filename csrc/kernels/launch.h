@@ -41,5 +41,10 @@ void set_decode_schedule(int schedule);
 // none of them; decode_mma.cuh, kPlain), 1 the general kernel always.
 void set_decode_features(int features);
 
+// Tests and benchmarks: when the tensor-core decode kernel issues its split's first tiles. 0
+// auto (right after the PDL wait, before the error word and the row checks, for a valid row),
+// 1 after the checks, 2 as auto.
+void set_decode_early_tiles(int early);
+
 }  // namespace cuda
 }  // namespace gqa

@@ -70,6 +70,11 @@ void set_decode_schedule(const std::string& schedule);
 // CPU-only build.
 void set_decode_features(const std::string& features);
 
+// Tests and benchmarks: when the tensor-core decode kernel issues its split's first K/V tiles,
+// "auto" (the default: right after it may read the caches, before the error word and the row
+// checks), "off" (after them) or "on". No-op in a CPU-only build.
+void set_decode_early_tiles(const std::string& early);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

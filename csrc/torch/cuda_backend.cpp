@@ -119,6 +119,12 @@ void set_decode_features(const std::string& features) {
   set_switch(kFeatures, features, "decode features", GQA_CUDA_SWITCH(set_decode_features));
 }
 
+void set_decode_early_tiles(const std::string& early) {
+  // The index is the early-tiles code of kernels/launch.h.
+  static const char* const kEarly[] = {"auto", "off", "on"};
+  set_switch(kEarly, early, "decode early tiles", GQA_CUDA_SWITCH(set_decode_early_tiles));
+}
+
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),
