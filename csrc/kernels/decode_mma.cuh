@@ -872,8 +872,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: K by plain loads
 // and V by TMA at head sizes 64 and 128 with more CTAs than SMs and 2,048 keys of capacity a
-// split or more; else TMA for both at 256, and at 128 unless one CTA an SM streams splits under
-// 2,048 keys; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
+// split or more; else TMA for both at 256, and at 128 unless one CTA an SM streams splits of
+// 2,048 keys or more; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
 // into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
@@ -950,13 +950,15 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     if (tma && (pinned == 3 || (pinned == 0 && many_ctas && long_ranges)))
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
-  // With one CTA an SM, auto takes cp.async at D = 64, and at D = 128 where the splits are short
-  // (under 2,048 keys of capacity each). Eleventh H200 round, three runs: TMA read 6% slower on
-  // both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5 against 13.3). Twenty-first
-  // round, interleaved, D = 128: TMA read 2.5-3.5% slower at B1 L1024 (8.75 against 8.52), B1
-  // L8192 (17.1 / 16.5) and B8 L1024 (15.7 / 15.3), level at B1 L32768 (2,048 keys a split),
-  // and faster with longer splits (B8 L8192: 71.1 against 73.0) and at D = 256.
-  const bool auto_tma = D == 256 || (D == 128 && (many_ctas || long_ranges));
+  // With one CTA an SM, auto takes cp.async at D = 64, and at D = 128 where the splits are long
+  // (2,048 keys of capacity each or more). Eleventh H200 round, three runs: TMA read 6% slower on
+  // both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5 against 13.3). At D = 128 the
+  // choice turned over with the kPlain build and the early tiles (twenty-fourth round, three
+  // interleaved runs each, cp.async / TMA): short splits now favour TMA, whose first tiles one
+  // lane issues (B1 L8192 14.1 / 13.7 and 13.7 / 13.2, B8 L1024 13.5 / 13.1 and 13.2 / 12.7,
+  // B1 L1024 level), and long ones cp.async (B8 L8192 69.3 / 72.0 and 69.6 / 71.3, B1 L32768
+  // 38.6 / 39.1 and 38.3 / 38.4). Before them it was the other way round (twenty-first round).
+  const bool auto_tma = D == 256 || (D == 128 && (many_ctas || !long_ranges));
   if constexpr (D % 64 == 0) {
     if (tma && (pinned == 2 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }

@@ -16,7 +16,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
 // sm90a build: "regs_k" at head sizes 64 and 128 where more CTAs than SMs stream long key
 // ranges, else TMA onto per-warp mbarriers at 256, and at 128 unless one CTA an SM streams
-// splits under 2,048 keys of capacity; cp.async otherwise), 1 cp.async always, 2 TMA where it
+// splits of 2,048 keys of capacity or more; cp.async otherwise), 1 cp.async always, 2 TMA where it
 // can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads into the mma fragments
 // and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
