@@ -250,7 +250,8 @@ def main():
     if args.only is None or "decode" in args.only:
         rows = decode_table(args)
         cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS],
-                *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+                *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], *[f"features_{k}_us" for k in FEATURE_COLUMNS],
+                *[f"early_{k}_us" for k in EARLY_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],
