@@ -616,31 +616,21 @@ def test_tuning_switches_name_what_they_expect():
         gqa_torch._C._set_prefill_route("")
     gqa_torch._C._set_prefill_route("wgmma_ws_bn80")
     gqa_torch._C._set_prefill_route("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode loader: expected one of auto, cp_async, tma, regs_k, got "nope"'):
-        gqa_torch._C._set_decode_loader("nope")
-    gqa_torch._C._set_decode_loader("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode merge: expected one of auto, kernel, cluster, arrival, got "dsmem"'):
-        gqa_torch._C._set_decode_merge("dsmem")
-    gqa_torch._C._set_decode_merge("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode schedule: expected one of auto, rows, longest_first, got "even"'):
-        gqa_torch._C._set_decode_schedule("even")
-    gqa_torch._C._set_decode_schedule("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode features: expected one of auto, general, got "plain"'):
-        gqa_torch._C._set_decode_features("plain")
-    gqa_torch._C._set_decode_features("general")
-    gqa_torch._C._set_decode_features("auto")
-    with pytest.raises(ValueError, match=r'gqa: decode early tiles: expected one of auto, off, on, got "late"'):
-        gqa_torch._C._set_decode_early_tiles("late")
-    gqa_torch._C._set_decode_early_tiles("off")
-    gqa_torch._C._set_decode_early_tiles("auto")
-    with pytest.raises(ValueError, match=r'gqa: prefill append: expected one of auto, prep, got "kernel"'):
-        gqa_torch._C._set_prefill_append("kernel")
-    gqa_torch._C._set_prefill_append("prep")
-    gqa_torch._C._set_prefill_append("auto")
-    with pytest.raises(ValueError, match=r'gqa: prefill Q loader: expected one of auto, cp_async, got "tma"'):
-        gqa_torch._C._set_prefill_q_loader("tma")
-    gqa_torch._C._set_prefill_q_loader("cp_async")
-    gqa_torch._C._set_prefill_q_loader("auto")
+    # (switch, its name in the message, its values, a refused value, a value other than auto)
+    named_switches = [
+        (gqa_torch._C._set_decode_loader, "decode loader", "auto, cp_async, tma, regs_k", "nope", "tma"),
+        (gqa_torch._C._set_decode_merge, "decode merge", "auto, kernel, cluster, arrival", "dsmem", "kernel"),
+        (gqa_torch._C._set_decode_schedule, "decode schedule", "auto, rows, longest_first", "even", "rows"),
+        (gqa_torch._C._set_decode_features, "decode features", "auto, general", "plain", "general"),
+        (gqa_torch._C._set_decode_early_tiles, "decode early tiles", "auto, off, on", "late", "off"),
+        (gqa_torch._C._set_prefill_append, "prefill append", "auto, prep", "kernel", "prep"),
+        (gqa_torch._C._set_prefill_q_loader, "prefill Q loader", "auto, cp_async", "tma", "cp_async"),
+    ]
+    for switch, name, values, refused, accepted in named_switches:
+        with pytest.raises(ValueError, match=f'gqa: {name}: expected one of {values}, got "{refused}"'):
+            switch(refused)
+        switch(accepted)
+        switch("auto")
     with pytest.raises(ValueError, match=r"gqa: max_splits: expected 0\.\.128, got 129"):
         gqa_torch._C._set_decode_split_override(129, 0)
     with pytest.raises(ValueError, match=r"gqa: min_split_keys: expected 0\.\.1048576, got -1"):
