@@ -6,7 +6,8 @@
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of each test process;
-# GQA_TESTS the test paths (default: tests); GQA_TEST_K a pytest -k expression; GQA_TEST_ARGS
+# GQA_TESTS the test paths (default: tests); GQA_TEST_K a pytest -k expression; GQA_TEST_SPLIT
+# -k terms separated by ';' that split the GQA_TESTS shard into processes; GQA_TEST_ARGS
 # more pytest arguments (split on spaces); GQA_BENCH_ARGS and GQA_PREFILL_ARGS the arguments of
 # bench_decode.py and bench_prefill.py; GQA_AB_ARGS those of ab_prefill_routes.py (the "ab"
 # step: an interleaved A/B of prefill routes; "abbuild" runs it with --cudnn in turn in the build

@@ -157,8 +157,9 @@ __device__ __forceinline__ void cluster_idle() {
 // kPlain: compiled for calls that use none of RoPE, softcap, a local window, head sinks and
 // smooth softmax (launch_decode_loader picks it at run time). Those features are run-time
 // flags in the general kernel, where they cost no issue slots when off but do cost code on the
-// path: at B = 1 a warp runs about 1,460 instructions through one tile, and its largest stall
-// is waiting for instructions to be fetched (twenty-third round). kPlain compiles them out.
+// path: at B = 1 a warp ran about 1,460 instructions through one tile, and its largest stall
+// was waiting for instructions to be fetched (twenty-third round). kPlain compiles them out
+// (1,237 a warp; 7.56 against 6.27 us a call at B = 1, L = 1024: twenty-fourth round).
 template <typename T, int D, int kLoader, bool kPlain>
 __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
@@ -487,7 +488,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 
   if (!early) issue_first_tiles();
 
-  // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, with the
+  // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, after the
   // first V slices and before the Q rows, so that a split of one or two tiles waits for one
   // memory round trip, not two (Q's RoPE tables and Q itself are a round trip of their own).
   uint4 k_even[2][kKU], k_odd[2][kKU];
@@ -953,8 +954,8 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // With one CTA an SM, auto takes cp.async at D = 64, and at D = 128 where the splits are long
   // (2,048 keys of capacity each or more). Eleventh H200 round, three runs: TMA read 6% slower on
   // both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5 against 13.3). At D = 128 the
-  // choice turned over with the kPlain build and the early tiles (twenty-fourth round, three
-  // interleaved runs each, cp.async / TMA): short splits now favour TMA, whose first tiles one
+  // choice turned over with the kPlain build and the early tiles (twenty-fourth round, calls 2
+  // and 3, interleaved, cp.async / TMA): short splits now favour TMA, whose first tiles one
   // lane issues (B1 L8192 14.1 / 13.7 and 13.7 / 13.2, B8 L1024 13.5 / 13.1 and 13.2 / 12.7,
   // B1 L1024 level), and long ones cp.async (B8 L8192 69.3 / 72.0 and 69.6 / 71.3, B1 L32768
   // 38.6 / 39.1 and 38.3 / 38.4). Before them it was the other way round (twenty-first round).
