@@ -919,10 +919,10 @@ def _check_bad_row_on_tensor_cores(dtype, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("early", ["off", "on"])
+@pytest.mark.parametrize("early", ["off", "auto"])
 def test_cuda_decode_early_tiles_switch(head_dim, early):
     """The decode kernel's first K/V tiles issued after the error word and the row checks
-    ("off") or before them ("on", auto's way): ragged rows in place and functional with three
+    ("off") or before them ("auto"): ragged rows in place and functional with three
     feature sets, then the bad-row checks, where a valid row's CTAs have copies in flight when
     the checks fail and must wait for them before they leave."""
     gqa_torch._C._set_decode_early_tiles(early)

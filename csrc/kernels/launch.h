@@ -43,7 +43,7 @@ void set_decode_features(int features);
 
 // Tests and benchmarks: when the tensor-core decode kernel issues its split's first tiles. 0
 // auto (right after the PDL wait, before the error word and the row checks, for a valid row),
-// 1 after the checks, 2 as auto.
+// 1 after the checks.
 void set_decode_early_tiles(int early);
 
 }  // namespace cuda

@@ -72,7 +72,7 @@ void set_decode_features(const std::string& features);
 
 // Tests and benchmarks: when the tensor-core decode kernel issues its split's first K/V tiles,
 // "auto" (the default: right after it may read the caches, before the error word and the row
-// checks), "off" (after them) or "on". No-op in a CPU-only build.
+// checks) or "off" (after them). No-op in a CPU-only build.
 void set_decode_early_tiles(const std::string& early);
 
 // Global debugging switch: every CUDA call checks the error word synchronously.

@@ -121,7 +121,7 @@ void set_decode_features(const std::string& features) {
 
 void set_decode_early_tiles(const std::string& early) {
   // The index is the early-tiles code of kernels/launch.h.
-  static const char* const kEarly[] = {"auto", "off", "on"};
+  static const char* const kEarly[] = {"auto", "off"};
   set_switch(kEarly, early, "decode early tiles", GQA_CUDA_SWITCH(set_decode_early_tiles));
 }
 

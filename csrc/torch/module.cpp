@@ -47,8 +47,8 @@ PYBIND11_MODULE(_C, m) {
         "of them) or \"general\" (the kernel with every feature, always).");
   m.def("_set_decode_early_tiles", &gqa::set_decode_early_tiles, pybind11::arg("early"),
         "Tests and benchmarks: when the tensor-core decode kernel issues its split's first K/V tiles, \"auto\" "
-        "(the default: right after it may read the caches, before the error word and the row checks), \"off\" "
-        "(after them) or \"on\".");
+        "(the default: right after it may read the caches, before the error word and the row checks) or \"off\" "
+        "(after them).");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
