@@ -37,6 +37,8 @@ SCHEDULE_COLUMNS = ["rows", "longest_first"]
 FEATURE_COLUMNS = ["general"]
 # The first K/V tiles issued after the error word and the row checks (auto: before them).
 EARLY_COLUMNS = ["off"]
+# The L2 prefetch before the PDL wait off and on (auto: on where the caches hold <= 8 MB of K/V).
+L2_COLUMNS = ["off", "on"]
 
 
 def pinned(step, switch, value):
@@ -107,7 +109,8 @@ def decode_table(args):
                                        (gqa_torch._C._set_decode_merge, MERGE_COLUMNS, "merge_"),
                                        (gqa_torch._C._set_decode_schedule, SCHEDULE_COLUMNS, "schedule_"),
                                        (gqa_torch._C._set_decode_features, FEATURE_COLUMNS, "features_"),
-                                       (gqa_torch._C._set_decode_early_tiles, EARLY_COLUMNS, "early_")):
+                                       (gqa_torch._C._set_decode_early_tiles, EARLY_COLUMNS, "early_"),
+                                       (gqa_torch._C._set_decode_l2_prefetch, L2_COLUMNS, "l2_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
         times = time_graphs_interleaved(steps, n)
@@ -251,7 +254,8 @@ def main():
         rows = decode_table(args)
         cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS],
                 *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], *[f"features_{k}_us" for k in FEATURE_COLUMNS],
-                *[f"early_{k}_us" for k in EARLY_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
+                *[f"early_{k}_us" for k in EARLY_COLUMNS], *[f"l2_{k}_us" for k in L2_COLUMNS], "sdpa_flash_us",
+                "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],

@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|order|profile|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|dtimeline|order|profile|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of each test process;
@@ -13,7 +13,8 @@
 # step: an interleaved A/B of prefill routes; "abbuild" runs it with --cudnn in turn in the build
 # at GQA_AB_BASE (another checkout, built there with build_ext; this checkout's script imports
 # its gqa_torch) and in this one, GQA_AB_REPEATS times each, to set two builds' ours / cuDNN side
-# by side), GQA_TIMELINE_ARGS those of block_timeline.py,
+# by side), GQA_TIMELINE_ARGS those of block_timeline.py, GQA_DTIMELINE_ARGS those of
+# decode_timeline.py (the "dtimeline" step),
 # GQA_ORDER_SHAPES the shapes of interleave_order.py (the "order" step), GQA_SWEEP_ARGS those of
 # sweep_decode_splits.py (the "sweep" step). scripts/gpu_pair.sh
 # runs a round on two GPUs.
@@ -131,6 +132,11 @@ for step in $steps; do
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 block_timeline.py ${GQA_TIMELINE_ARGS:-} \
         --json "$OUT/block_timeline.json" --raw "$OUT/block_timeline.pt") > "$OUT/timeline.log" 2>&1 || status=1
       grep -E "^\||^device" "$OUT/timeline.log" ;;
+    dtimeline)
+      # Where a decode call's time goes, CTA by CTA (the decode kernel's per-CTA stamps).
+      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 decode_timeline.py ${GQA_DTIMELINE_ARGS:-}) \
+        > "$OUT/dtimeline.log" 2>&1 || status=1
+      grep -v "^timeline:" "$OUT/dtimeline.log" ;;
     order)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 interleave_order.py ${GQA_ORDER_SHAPES:-2x4096x128 1x16384x128}) \
         > "$OUT/order.log" 2>&1 || status=1

@@ -910,8 +910,11 @@ def _check_bad_row_on_tensor_cores(dtype, head_dim):
     assert torch.isnan(out).all(), "every row of a fused call with a bad row must be NaN"
     _assert_untouched_except_valid_rows(before, case, written_rows=[])
     valid = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=2048,
-                      past_lengths=[1900, 700], dtype=DTYPES[dtype], device="cuda")
-    assert torch.isnan(valid.clone().run()).all(), "the set word poisons later calls until it is cleared"
+                      past_lengths=[1900, 700], strided=True, dtype=DTYPES[dtype], device="cuda")
+    poisoned = valid.clone()
+    assert torch.isnan(poisoned.run()).all(), "the set word poisons later calls until it is cleared"
+    torch.cuda.synchronize()
+    _assert_untouched_except_valid_rows(valid, poisoned, written_rows=[])  # nor do they append
     with pytest.raises(gqa_torch.GQAError) as info:
         gqa_torch.check_errors()
     assert info.value.flags == gerr.CAPACITY
@@ -935,6 +938,74 @@ def test_cuda_decode_early_tiles_switch(head_dim, early):
         _check_bad_row_on_tensor_cores("bf16", head_dim)
     finally:
         gqa_torch._C._set_decode_early_tiles("auto")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("prefetch", ["off", "on"])
+def test_cuda_decode_l2_prefetch_switch(head_dim, prefetch):
+    """The decode kernel's L2 prefetch before the PDL wait (its split's first keys and its
+    query rows), off or on (auto's small calls): ragged rows in place and functional, in
+    both cache layouts (one request for contiguous keys, one a row otherwise), with three
+    feature sets; then a captured two-call sequence in which the second call reads the row the
+    first appended (lines the second may have asked for before the first wrote them); then the
+    bad-row checks."""
+    gqa_torch._C._set_decode_l2_prefetch(prefetch)
+    try:
+        for i, feat in enumerate(FEATURE_CYCLE[:3]):
+            case = make_case(["inplace", "functional"][i % 2], batch=3, seq=1, num_heads=8, kv_num_heads=2,
+                             head_dim=head_dim, capacity=1100, past_lengths=[1099, 5, 300], dtype=torch.bfloat16,
+                             layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+        _check_append_then_read_in_one_graph(head_dim)
+        _check_bad_row_on_tensor_cores("bf16", head_dim)
+    finally:
+        gqa_torch._C._set_decode_l2_prefetch("auto")
+
+
+def _check_append_then_read_in_one_graph(head_dim):
+    """Two in-place decode steps captured back to back in one CUDA graph (the second launched
+    under the first's tail): the second step's keys include the one the first appended."""
+    torch.manual_seed(head_dim)
+    b, hq, hkv, cap = 2, 8, 2, 700
+    kc = torch.randn(b, hkv, cap, head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = [torch.randn(b, 1, hq * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    nk = [torch.randn(b, 1, hkv * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    nv = [torch.randn(b, 1, hkv * head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    lens = [torch.tensor([650, 64], device="cuda", dtype=torch.int32), None]
+    lens[1] = lens[0] + 1
+    kc0, vc0 = kc.clone(), vc.clone()
+    outs = [None, None]
+
+    def steps():
+        for s in range(2):
+            outs[s] = gqa_torch.group_query_attention_(q[s], nk[s], nv[s], kc, vc, lens[s], num_heads=hq,
+                                                       kv_num_heads=hkv)
+
+    steps()  # warm-up outside the capture
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps()
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    graph.replay()
+    torch.cuda.synchronize()
+    gqa_torch.check_errors()
+    expected_k, expected_v = kc0.clone(), vc0.clone()
+    for s in range(2):
+        ref = torch.empty(b, 1, hq * head_dim, dtype=torch.float64)
+        for r in range(b):
+            pos = int(lens[s][r])  # the row's new key goes here; the step sees keys [0, pos]
+            expected_k[r, :, pos] = nk[s][r, 0].view(hkv, head_dim)
+            expected_v[r, :, pos] = nv[s][r, 0].view(hkv, head_dim)
+            keys, values = expected_k[r, :, :pos + 1].double(), expected_v[r, :, :pos + 1].double()
+            qd = q[s][r, 0].view(hkv, hq // hkv, head_dim).double()
+            scores = torch.einsum("hgd,hkd->hgk", qd, keys) / head_dim ** 0.5
+            ref[r, 0] = torch.einsum("hgk,hkd->hgd", scores.softmax(-1), values).reshape(-1).cpu()
+        assert_output_close(outs[s], ref, suite="cuda")  # (the float64 reference, per batch row)
+    assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v), "the caches hold both steps' appends"
 
 
 def test_cuda_graph_replay_with_bad_row_sets_flags():

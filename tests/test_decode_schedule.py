@@ -12,7 +12,7 @@ from gqa_torch import _C
     (1, 32, 8, 1024, 16, False),      # one row: nothing to order
     (1, 14, 2, 32768, 66, False),
     (8, 32, 8, 1024, 2, False),       # 128 CTAs, fewer than the SMs: all start at once
-    (8, 32, 8, 8192, 2, False),
+    (8, 32, 8, 8192, 4, True),        # splits of 2,048 keys two CTAs an SM: 256 CTAs
     (8, 32, 8, 32768, 8, True),       # 512 CTAs: the ragged B8 row of bench_decode.py
     (32, 32, 8, 8192, 2, True),       # the ragged B32 row
     (64, 32, 8, 1024, 1, False),      # 512 CTAs, but splits of 1,024 keys of capacity
@@ -21,13 +21,16 @@ from gqa_torch import _C
     (2, 128, 1, 4096, 64, False),     # 2 x 64 splits x 8 head chunks of 16 query heads, 64 keys each
     (2, 128, 1, 262144, 66, True),    # ... of 3,971 keys
     (40, 16, 4, 2100, 1, True),       # 160 CTAs
-    (33, 4, 4, 4096, 1, False),       # 132 CTAs: exactly the SMs
+    (33, 4, 4, 2048, 1, False),       # 132 CTAs: exactly the SMs
+    (33, 4, 4, 4096, 2, True),        # ... two an SM, as their splits hold 2,048 keys
+    (2, 32, 8, 32768, 16, True),      # 16 splits of 2,048 keys: two CTAs an SM, not 8 of 4,096
 ])
 def test_decode_plan_takes_rows_longest_first_with_more_ctas_than_sms(batch, hq, hkv, capacity, max_splits,
                                                                        longest_first):
     """Longest first with two rows or more, more CTAs (rows x kv heads x head chunks x splits)
-    than the 132 SMs, and at least 2,048 keys of capacity a split; the split counts are the
-    plan's as before."""
+    than the 132 SMs, and at least 2,048 keys of capacity a split. The split counts: one CTA an
+    SM, at least one split every 4,096 keys of capacity while the rows' CTAs fit twice over,
+    and two CTAs an SM where their splits still hold 2,048 keys."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132)
     assert (plan["max_splits"], plan["longest_first"]) == (max_splits, longest_first)
 

@@ -623,6 +623,7 @@ def test_tuning_switches_name_what_they_expect():
         (gqa_torch._C._set_decode_schedule, "decode schedule", "auto, rows, longest_first", "even", "rows"),
         (gqa_torch._C._set_decode_features, "decode features", "auto, general", "plain", "general"),
         (gqa_torch._C._set_decode_early_tiles, "decode early tiles", "auto, off", "late", "off"),
+        (gqa_torch._C._set_decode_l2_prefetch, "decode L2 prefetch", "auto, off, on", "evict_last", "on"),
         (gqa_torch._C._set_prefill_append, "prefill append", "auto, prep", "kernel", "prep"),
         (gqa_torch._C._set_prefill_q_loader, "prefill Q loader", "auto, cp_async", "tma", "cp_async"),
     ]
@@ -638,14 +639,19 @@ def test_tuning_switches_name_what_they_expect():
     gqa_torch._C._set_decode_split_override(0, 0)  # back to the plan's own choice
 
 
-def test_prefill_timeline_switch_checks_its_buffer():
-    """The diagnostic per-block timeline takes an int64 CUDA tensor [n, 8] or None; anything
-    else is refused before a pointer is kept (a CPU tensor's address would be written by the GPU)."""
-    with pytest.raises(ValueError, match=r"gqa: prefill timeline: expected a contiguous int64 CUDA tensor of shape "
-                                         r"\[records, 8\], got Long \[3, 8\] on the CPU"):
-        gqa_torch._C._set_prefill_timeline(torch.zeros(3, 8, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"gqa: prefill timeline: expected .*, got Int \[3, 8\] on the CPU"):
-        gqa_torch._C._set_prefill_timeline(torch.zeros(3, 8, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"gqa: prefill timeline: expected .*, got Long \[24\] on the CPU"):
-        gqa_torch._C._set_prefill_timeline(torch.zeros(24, dtype=torch.int64))
-    gqa_torch._C._set_prefill_timeline(None)  # off, the default
+@pytest.mark.parametrize("kernel,width", [("prefill", 8), ("decode", 16)])
+def test_timeline_switches_check_their_buffer(kernel, width):
+    """The diagnostic timelines (per prefill block, per decode CTA) take an int64 CUDA tensor
+    [n, width] or None; anything else is refused before a pointer is kept (a CPU tensor's
+    address would be written by the GPU)."""
+    setter = getattr(gqa_torch._C, f"_set_{kernel}_timeline")
+    with pytest.raises(ValueError, match=rf"gqa: {kernel} timeline: expected a contiguous int64 CUDA tensor of shape "
+                                         rf"\[records, {width}\], got Long \[3, {width}\] on the CPU"):
+        setter(torch.zeros(3, width, dtype=torch.int64))
+    with pytest.raises(ValueError, match=rf"gqa: {kernel} timeline: expected .*, got Long \[3, {width + 1}\] on the CPU"):
+        setter(torch.zeros(3, width + 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=rf"gqa: {kernel} timeline: expected .*, got Int \[3, {width}\] on the CPU"):
+        setter(torch.zeros(3, width, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"gqa: {kernel} timeline: expected .*, got Long \[24\] on the CPU"):
+        setter(torch.zeros(24, dtype=torch.int64))
+    setter(None)  # off, the default

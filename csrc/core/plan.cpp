@@ -24,6 +24,13 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     int64_t splits = sms / (base_ctas > 0 ? base_ctas : 1);
     const int64_t by_chunk = (static_cast<int64_t>(p.capacity) + 4095) / 4096;
     if (base_ctas < 2 * sms && splits < by_chunk) splits = by_chunk;
+    // Two CTAs an SM instead, where each split still holds 2,048 keys of capacity or more: the
+    // decode kernel then loads K straight into registers (launch_decode_loader), which streams
+    // faster than one CTA an SM staging K and V through shared memory. H200, twenty-fifth
+    // round: B8 L8192, 4 splits 68.7 us against 2 splits 71.3.
+    const int64_t hchunks = (static_cast<int64_t>(p.group_size) + 15) / 16;  // CTAs a kv head
+    const int64_t two_per_sm = 2 * sms / (base_ctas * hchunks > 0 ? base_ctas * hchunks : 1);
+    if (two_per_sm > splits && p.capacity / two_per_sm >= 2048) splits = two_per_sm;
     if (splits < 1) splits = 1;
     if (splits > 128) splits = 128;  // the merge kernel combines at most 128 splits
     // Never more splits than the capacity can feed. A split never takes fewer than
@@ -41,7 +48,6 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // capacity 8192, 172.8 to 161.9 (162.9). Not where the splits hold under 2,048 keys of
     // capacity: a late short CTA costs little there, and the ranking did (B64 L1024, all rows
     // full: 74.6 us against 73.3).
-    const int64_t hchunks = (static_cast<int64_t>(p.group_size) + 15) / 16;  // CTAs a kv head
     plan.longest_first = p.batch >= 2 && base_ctas * hchunks * splits > sms && p.capacity / splits >= 2048;
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few

@@ -25,6 +25,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // Split-K scratch (plan.workspace): partial outputs normalised by their own sum, and their
 // log2-sum-exp. Null when the plan has one split.
+// The width of a decode timeline record (Work::timeline), in 64-bit fields.
+constexpr int kDecodeTimelineFields = 16;
+
 struct Work {
   float* partial_out = nullptr;  // [B, S, Hq, max_splits, D]: each split's normalised output
   float* partial_lse = nullptr;  // [B, S, Hq, max_splits]: its log-sum-exp, log2 domain
@@ -44,6 +47,14 @@ struct Work {
   // Decode on tensor cores: each CTA issues its split's first tiles right after the PDL wait,
   // before the error word and the row checks (decode_mma.cuh); 0: after them.
   int32_t early_tiles = 0;
+  // Decode on tensor cores: before the PDL wait, each CTA asks L2 for its split's first keys
+  // and its query rows (decode_mma.cuh); 0: it does not.
+  int32_t l2_prefetch = 0;
+  // Diagnostics (set_decode_timeline): each tensor-core decode CTA that computes writes a
+  // record of kDecodeTimelineFields stamps here (decode_mma.cuh, DecodeTimelineField), the
+  // record of its linear block index if that is below timeline_records; null: none.
+  unsigned long long* timeline = nullptr;
+  int32_t timeline_records = 0;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -213,6 +224,20 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // append): those are read after the wait. The read bypasses L1 (ld.global.cg), which two
 // overlapping grids on one SM share.
 __device__ __forceinline__ int pdl_early_read(const int32_t* ptr) { return __ldcg(ptr); }
+
+// Diagnostics stamps (the decode and prefill timelines): the SM's cycle counter, the GPU's
+// nanosecond timer (one clock for every SM) and the SM's index.
+__device__ __forceinline__ unsigned long long sm_clock() { return static_cast<unsigned long long>(clock64()); }
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll

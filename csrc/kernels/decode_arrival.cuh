@@ -42,8 +42,11 @@ __device__ __forceinline__ bool arrive_last(uint32_t* counter, int active) {
     const uint32_t before = atomicAdd(counter, 1u);
     const bool last = before + 1u == static_cast<uint32_t>(active);
     if (last) {
-      *counter = 0u;
       fence_acq_rel_gpu();  // acquire: the other splits' partials, released before their counts
+      // The reset goes after the fence: a fence waits for this thread's earlier stores, and
+      // nothing in this launch reads the counter again (the next call does after its PDL wait,
+      // when this grid has finished). Before it, it cost the merge a memory round trip.
+      *counter = 0u;
     }
     last_flag = last ? 1 : 0;
   }

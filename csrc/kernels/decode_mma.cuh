@@ -149,6 +149,44 @@ __device__ __forceinline__ void cluster_idle() {
   cluster_sync_relaxed();
 }
 
+// Diagnostics (Work::timeline, benchmarks/decode_timeline.py): thread 0 of a CTA that computes
+// stamps its record (kDecodeTimelineFields wide) with the GPU timer at entry and exit, its SM's
+// clock at entry, after the PDL wait, after the error word and the row checks, with Q staged,
+// after the tile loop and at exit (after its merge, if it merged), its SM and tile count, and
+// its block coordinates. The value is taken inside the test, so that a null pointer costs one
+// uniform branch a stamp.
+enum DecodeTimelineField { kDtEntryNs, kDtEntry, kDtWaited, kDtChecked, kDtQReady, kDtLoopDone, kDtExit, kDtExitNs,
+                           kDtSmTiles, kDtCta, kDtFieldsUsed };
+static_assert(kDtFieldsUsed <= kDecodeTimelineFields, "the decode timeline's record width");
+__device__ __forceinline__ void decode_stamp(const Work& w, int field, unsigned long long value = 0) {
+  if (w.timeline == nullptr || threadIdx.x != 0) return;
+  const int64_t record =
+      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+  if (record >= w.timeline_records) return;
+  if (field == kDtEntryNs || field == kDtExitNs) {
+    value = global_ns();
+  } else if (field == kDtSmTiles) {
+    value |= static_cast<unsigned long long>(sm_id()) << 32;  // value: the tile count
+  } else if (field != kDtCta) {
+    value = sm_clock();
+  }
+  w.timeline[record * kDecodeTimelineFields + field] = value;
+}
+
+// Rows [0, rows) of D elements, `stride` elements apart, into L2 (l2_prefetch_bulk): one
+// request when they are contiguous, else one a row, dealt over the CTA's threads from `thread`
+// (the caller's thread index, rotated so that several calls spread over different threads).
+template <int D, typename T>
+__device__ __forceinline__ void l2_prefetch_rows(const T* src, int rows, int64_t stride, int thread, int threads) {
+  constexpr uint32_t kRowBytes = D * sizeof(T);
+  if (stride == D) {
+    if (thread == 0) l2_prefetch_bulk(src, static_cast<uint32_t>(rows) * kRowBytes);
+    return;
+  }
+#pragma unroll 1
+  for (int r = thread; r < rows; r += threads) l2_prefetch_bulk(src + r * stride, kRowBytes);
+}
+
 // kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 keys of every tile as TMA
 // boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
 // (kRegK: V only; each lane loads its part of K into registers, see load_k); otherwise the CTA
@@ -186,6 +224,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   __shared__ uint32_t x_status;  // w.cluster_merge: nonzero when this CTA took the error path
   __shared__ __align__(8) uint64_t slice_full[kTma ? Cfg::kWarps * kStages : 1];  // [warp][stage]
 
+  decode_stamp(w, kDtEntryNs);
+  decode_stamp(w, kDtEntry);
   // The features, constant under kPlain.
   const bool rotary = !kPlain && p.do_rotary;
   const int32_t window = kPlain ? -1 : p.local_window;
@@ -243,8 +283,35 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int k0 = vis.lo + split * chunk;
   const int k1 = min(vis.hi, k0 + chunk);
 
+  auto aligned16 = [](const T* row, int64_t stride) {
+    return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
+  };
+  const TokenStrides qs = p.query_strides;
+  const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
+  const TokenStrides cs = p.cache_strides;
+  const T* kbase = static_cast<const T*>(p.key_cache) + b * cs.batch + kvh * cs.head;
+  const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
+
+  // w.l2_prefetch: the first keys of the split (those the first tiles after the wait copy) and
+  // the CTA's query rows are asked into L2 before the PDL wait. When the kernel before is one of
+  // ours, this CTA usually starts while that kernel still runs and waits here, so these bytes
+  // come from memory under its tail, and the copies after the wait find them in L2. L2 is the
+  // point where all reads and writes meet, so the kernel before may still write these lines
+  // (the previous step's append, its output fed back as q): the copies read what it wrote.
+  // Only for a valid row's non-empty split, whose keys lie inside the capacity.
+  if (w.l2_prefetch != 0 && g.flags == 0 && split < active && k0 < k1) {
+    constexpr int kL2Keys = (kStages - 1 < 2 ? kStages - 1 : 2) * kTile;
+    const int keys = min(k1 - k0, kL2Keys);
+    const int64_t first = static_cast<int64_t>(k0) * cs.token;
+    l2_prefetch_rows<D>(kbase + first, keys, cs.token, tid, Cfg::kThreads);
+    l2_prefetch_rows<D>(vbase + first, keys, cs.token, (tid + 32) % Cfg::kThreads, Cfg::kThreads);
+    const T* const q_first = qsrc + h0 * qs.head;
+    if (aligned16(q_first, qs.head)) l2_prefetch_rows<D>(q_first, nh, qs.head, (tid + 64) % Cfg::kThreads, Cfg::kThreads);
+  }
+
   pdl_wait();
   pdl_launch_dependents();
+  decode_stamp(w, kDtWaited);
 
   // The error word may be set by the kernel just before: after the wait.
   const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
@@ -257,11 +324,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   constexpr bool kPrefetch = !kRegK && D <= 128;
   constexpr int kE = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
   constexpr int kQPre = kPrefetch ? (16 * (D / kE) + Cfg::kThreads - 1) / Cfg::kThreads : 1;
-  auto aligned16 = [](const T* row, int64_t stride) {
-    return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
-  };
-  const TokenStrides qs = p.query_strides;
-  const T* const qsrc = static_cast<const T*>(p.query) + b * qs.batch;
   // A row in 16-byte units (rope_vec_units; without RoPE each unit is one chunk, copied).
   const bool rope_vec = kPlain || rope_vec_ok(p, static_cast<int>(sizeof(T)), rotary);
   const bool q_vec = aligned16(qsrc, qs.head) && rope_vec;
@@ -302,9 +364,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (kv_pre && tid < D / kE) v_pre = reinterpret_cast<const uint4*>(vsrc)[tid];
   }
 
-  const TokenStrides cs = p.cache_strides;
-  const T* kbase = static_cast<const T*>(p.key_cache) + b * cs.batch + kvh * cs.head;
-  const T* vbase = static_cast<const T*>(p.value_cache) + b * cs.batch + kvh * cs.head;
   const int ntiles = (k1 - k0 + kTile - 1) / kTile;
 
   // Each thread copies one fixed 16-byte column chunk of rows r0, r0 + kRowsPerPass, ... of a
@@ -486,6 +545,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     return;
   }
 
+  decode_stamp(w, kDtChecked);
   if (!early) issue_first_tiles();
 
   // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, after the
@@ -593,6 +653,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
   }
   __syncthreads();
+  decode_stamp(w, kDtQReady);
 
   uint32_t qa[Cfg::kQInRegs ? D / 16 : 1][4];
   if constexpr (kRegK) {  // in the K fragments' column order (load_k)
@@ -784,6 +845,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     for (int tile = 0; tile < ntiles; ++tile) tile_step(tile, k_even);
   }
   if constexpr (!kTma) cp_async_wait<0>();  // (every TMA load was waited for in the loop)
+  decode_stamp(w, kDtLoopDone);
+  decode_stamp(w, kDtSmTiles, static_cast<unsigned>(ntiles));
+  decode_stamp(w, kDtCta, (static_cast<unsigned long long>(b) << 32) | (blockIdx.y << 16) | split);
 
   // ---- merge the warps' states ---------------------------------------------------------
 #pragma unroll
@@ -869,6 +933,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   } else if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b), active)) {
     arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
+  decode_stamp(w, kDtExit);
+  decode_stamp(w, kDtExitNs);
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: K by plain loads

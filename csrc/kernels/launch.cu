@@ -25,6 +25,9 @@ std::atomic<int> g_decode_merge{0};
 std::atomic<int> g_decode_schedule{0};
 std::atomic<int> g_decode_features{0};
 std::atomic<int> g_decode_early_tiles{0};
+std::atomic<int> g_decode_l2_prefetch{0};
+std::atomic<unsigned long long*> g_decode_timeline{nullptr};
+std::atomic<int> g_decode_timeline_records{0};
 }
 
 void set_decode_loader(int loader) { detail::g_decode_loader.store(loader, std::memory_order_relaxed); }
@@ -32,8 +35,16 @@ void set_decode_merge(int merge) { detail::g_decode_merge.store(merge, std::memo
 void set_decode_schedule(int schedule) { detail::g_decode_schedule.store(schedule, std::memory_order_relaxed); }
 void set_decode_features(int features) { detail::g_decode_features.store(features, std::memory_order_relaxed); }
 void set_decode_early_tiles(int early) { detail::g_decode_early_tiles.store(early, std::memory_order_relaxed); }
+void set_decode_l2_prefetch(int prefetch) { detail::g_decode_l2_prefetch.store(prefetch, std::memory_order_relaxed); }
+void set_decode_timeline(unsigned long long* records, int count) {
+  detail::g_decode_timeline_records.store(records != nullptr ? count : 0, std::memory_order_relaxed);
+  detail::g_decode_timeline.store(records, std::memory_order_relaxed);
+}
 
 namespace {
+
+// Auto's bound for the decode kernel's L2 prefetch (set_decode_l2_prefetch).
+constexpr int64_t kL2PrefetchMaxBytes = 8LL << 20;
 
 bool cache_rows_aligned16(const Params& p) {
   const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
@@ -76,6 +87,15 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
     w.longest_first = tc && (schedule == 2 || (schedule == 0 && plan.longest_first)) ? 1 : 0;
     w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;
+    // The prefetched lines must survive in L2 until the wait ends, while the kernel before
+    // streams its own bytes. On an H200 (twenty-fifth round, the kernel before being the same
+    // call on other caches) it paid at 4 MB of K/V a call (B1 L1024: 6.0 against 6.3 us) and
+    // cost 13-16% at 34 MB (B1 L8192, B8 L1024: the lines were gone, and read twice).
+    const int l2_prefetch = detail::g_decode_l2_prefetch.load(std::memory_order_relaxed);
+    const int64_t cache_kv_bytes = 2LL * p.batch * p.kv_heads * p.capacity * p.head_dim * dtype_size(p.dtype);
+    w.l2_prefetch = l2_prefetch == 2 || (l2_prefetch == 0 && cache_kv_bytes <= kL2PrefetchMaxBytes) ? 1 : 0;
+    w.timeline = detail::g_decode_timeline.load(std::memory_order_relaxed);
+    w.timeline_records = detail::g_decode_timeline_records.load(std::memory_order_relaxed);
     const bool fused = tc && p.inplace;
     if (!fused) detail::launch_prep(p, /*check_positions=*/true, stream);
     bool merged = false;

@@ -46,5 +46,15 @@ void set_decode_features(int features);
 // 1 after the checks.
 void set_decode_early_tiles(int early);
 
+// Tests and benchmarks: whether the tensor-core decode kernel asks L2 for its split's first
+// keys and its query rows before the PDL wait (decode_mma.cuh, Work::l2_prefetch). 0 auto
+// (where the call's caches hold at most kL2PrefetchMaxBytes of K and V), 1 off, 2 always.
+void set_decode_l2_prefetch(int prefetch);
+
+// Diagnostics (benchmarks/decode_timeline.py): the tensor-core decode kernel's per-CTA stamps
+// (decode_mma.cuh, DecodeTimelineField) into `records` ([count][16]), nullptr: off. Read when
+// a call is enqueued, as the switches are.
+void set_decode_timeline(unsigned long long* records, int count);
+
 }  // namespace cuda
 }  // namespace gqa

@@ -75,17 +75,9 @@ __device__ __forceinline__ void timeline_put(const Args& a, int work, int field,
   const int record = work * 4 + static_cast<int>(threadIdx.x >> 7);  // up to 4 computing warpgroups
   if (record < a.timeline_records) a.timeline[static_cast<int64_t>(record) * kTimelineFields + field] = value;
 }
-__device__ __forceinline__ unsigned long long sm_clock() { return static_cast<unsigned long long>(clock64()); }
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned sm_id() {
-  unsigned id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
+using detail::global_ns;
+using detail::sm_clock;
+using detail::sm_id;
 
 // A 4 x 4 transpose of 32-bit words within each quad of lanes (lanes 4i .. 4i + 3), by two
 // butterfly swaps: lane q's x[j] becomes lane j's x[q]. Every lane of the warp must take part.

@@ -120,6 +120,16 @@ __device__ __forceinline__ void tma_load_4d_hint(uint32_t dst, const void* tenso
 #endif
 }
 
+// Asks L2 to fetch [src, src + bytes) from memory (16-byte aligned, a multiple of 16 bytes);
+// nothing is written and nothing waits for it. L2 is where every SM's reads and writes of
+// global memory meet, so a line fetched early can never be stale: a later write by any kernel
+// updates it there.
+__device__ __forceinline__ void l2_prefetch_bulk(const void* src, uint32_t bytes) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
+
 // 4- and 16-byte global stores with an L2 eviction policy.
 __device__ __forceinline__ void st_global_b32_hint(void* ptr, uint32_t value, uint64_t policy) {
 #if GQA_ASYNC_COPY_ENABLED

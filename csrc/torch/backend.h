@@ -42,6 +42,10 @@ void set_prefill_q_loader(const std::string& loader);
 // No-op in a CPU-only build (after the checks).
 void set_prefill_timeline(const std::optional<at::Tensor>& records);
 
+// Diagnostics: the tensor-core decode kernel's per-CTA stamps (kernels/launch.h,
+// set_decode_timeline) into `records`, as set_prefill_timeline but [n, 16].
+void set_decode_timeline(const std::optional<at::Tensor>& records);
+
 // Tests and benchmarks: who writes the new rows of an in-place prefill without RoPE to the
 // caches, "auto" (the default: the attention kernel, for rows with no past, where it can) or
 // "prep" (always prep's copy; kernels/prefill_mma.h). No-op in a CPU-only build.
@@ -74,6 +78,11 @@ void set_decode_features(const std::string& features);
 // "auto" (the default: right after it may read the caches, before the error word and the row
 // checks) or "off" (after them). No-op in a CPU-only build.
 void set_decode_early_tiles(const std::string& early);
+
+// Tests and benchmarks: whether the tensor-core decode kernel asks L2 for its split's first
+// keys and its query rows before the PDL wait, "auto" (the default: where the call's caches
+// hold at most 8 MB of K and V), "off" or "on" (always). No-op in a CPU-only build.
+void set_decode_l2_prefetch(const std::string& prefetch);
 
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);

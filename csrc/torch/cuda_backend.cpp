@@ -72,21 +72,34 @@ void set_prefill_q_loader(const std::string& loader) {
   set_switch(kLoaders, loader, "prefill Q loader", GQA_CUDA_SWITCH(set_prefill_q_loader));
 }
 
-void set_prefill_timeline(const std::optional<at::Tensor>& records) {
+namespace {
+
+// A timeline's records tensor, checked (int64, CUDA, contiguous, [n, width]), handed to
+// `setter` (the kernels' own, which takes nullptr and 0 for none; null in a CPU-only build).
+void set_timeline(const std::optional<at::Tensor>& records, const char* name, int64_t width,
+                  void (*setter)(unsigned long long*, int)) {
   if (!records.has_value()) {
-#ifdef GQA_WITH_CUDA
-    cuda::set_prefill_timeline(nullptr, 0);
-#endif
+    if (setter != nullptr) setter(nullptr, 0);
     return;
   }
   const at::Tensor& t = *records;
-  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 2 && t.size(1) == 8,
-                    "gqa: prefill timeline: expected a contiguous int64 CUDA tensor of shape [records, 8], got ",
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 2 &&
+                        t.size(1) == width,
+                    "gqa: ", name, ": expected a contiguous int64 CUDA tensor of shape [records, ", width, "], got ",
                     t.scalar_type(), " ", t.sizes(), t.is_cuda() ? "" : " on the CPU");
-  TORCH_CHECK_VALUE(t.size(0) <= INT32_MAX, "gqa: prefill timeline: at most 2^31 - 1 records, got ", t.size(0));
-#ifdef GQA_WITH_CUDA
-  cuda::set_prefill_timeline(reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>()), static_cast<int>(t.size(0)));
-#endif
+  TORCH_CHECK_VALUE(t.size(0) <= INT32_MAX, "gqa: ", name, ": at most 2^31 - 1 records, got ", t.size(0));
+  if (setter != nullptr)
+    setter(reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>()), static_cast<int>(t.size(0)));
+}
+
+}  // namespace
+
+void set_prefill_timeline(const std::optional<at::Tensor>& records) {
+  set_timeline(records, "prefill timeline", 8, GQA_CUDA_SWITCH(set_prefill_timeline));
+}
+
+void set_decode_timeline(const std::optional<at::Tensor>& records) {
+  set_timeline(records, "decode timeline", 16, GQA_CUDA_SWITCH(set_decode_timeline));  // kDecodeTimelineFields
 }
 
 void set_prefill_append(const std::string& append) {
@@ -123,6 +136,12 @@ void set_decode_early_tiles(const std::string& early) {
   // The index is the early-tiles code of kernels/launch.h.
   static const char* const kEarly[] = {"auto", "off"};
   set_switch(kEarly, early, "decode early tiles", GQA_CUDA_SWITCH(set_decode_early_tiles));
+}
+
+void set_decode_l2_prefetch(const std::string& prefetch) {
+  // The index is the L2 prefetch code of kernels/launch.h.
+  static const char* const kPrefetch[] = {"auto", "off", "on"};
+  set_switch(kPrefetch, prefetch, "decode L2 prefetch", GQA_CUDA_SWITCH(set_decode_l2_prefetch));
 }
 
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {

@@ -26,6 +26,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_prefill_timeline", &gqa::set_prefill_timeline, pybind11::arg("records"),
         "Diagnostics: an int64 CUDA tensor [n, 8] that the warp-specialised prefill kernels stamp per query "
         "block (benchmarks/block_timeline.py), or None (the default: off). Keep the tensor alive while set.");
+  m.def("_set_decode_timeline", &gqa::set_decode_timeline, pybind11::arg("records"),
+        "Diagnostics: an int64 CUDA tensor [n, 16] that the tensor-core decode kernel stamps per CTA "
+        "(benchmarks/decode_timeline.py), or None (the default: off). Keep the tensor alive while set.");
   m.def("_set_prefill_append", &gqa::set_prefill_append, pybind11::arg("append"),
         "Tests and benchmarks: who appends an in-place prefill's new rows (no RoPE) to the caches, \"auto\" "
         "(the attention kernel, for rows with no past, where it can: the default) or \"prep\" (always prep).");
@@ -49,6 +52,10 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: when the tensor-core decode kernel issues its split's first K/V tiles, \"auto\" "
         "(the default: right after it may read the caches, before the error word and the row checks) or \"off\" "
         "(after them).");
+  m.def("_set_decode_l2_prefetch", &gqa::set_decode_l2_prefetch, pybind11::arg("prefetch"),
+        "Tests and benchmarks: whether the tensor-core decode kernel asks L2 for its split's first keys and its "
+        "query rows before it waits for the kernel before it, \"auto\" (the default: where the call's caches hold "
+        "at most 8 MB of K and V), \"off\" or \"on\" (always).");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");

@@ -1,0 +1,148 @@
+"""Where a decode call's time goes, CTA by CTA: the tensor-core decode kernel's per-CTA stamps
+(`_C._set_decode_timeline`, decode_mma.cuh).
+
+Each CTA that computes stamps the GPU timer at entry and exit, and its SM's clock at entry,
+after the PDL wait, after the error word and the row checks, with Q staged, after its tile loop
+and at exit. For each shape this script captures a CUDA
+graph of calls back to back on rotating inputs (as bench_decode.py times them), with the stamps
+on for one call in the middle, replays it, and reports:
+
+- the call's period in the graph (replay time / calls) against its span on the GPU timer, from
+  the first CTA's release (the end of its PDL wait: the kernel before has finished) to the last
+  CTA's exit; their difference is what overlaps the kernel before or after;
+- the CTAs' wait before the release (they sit resident under the kernel before), their work
+  (release, or entry for later CTAs, to exit), and its parts: the error word and the row
+  checks, Q staged, the tiles, and the combine, partials and merge, min / median / max;
+- the start: how long after the first release the last CTA of the first wave was released,
+  and the tail: from the median CTA exit to the last, and how many SMs sat idle for how long
+  at the end (the mean over SMs of the last exit minus the SM's own last exit);
+- the GPU timer's resolution seen (the smallest step between distinct stamps).
+
+    python3 decode_timeline.py --rows 0 4 6 11
+
+Diagnostics only: the stamps cost a few instructions a CTA.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import gqa_torch
+from bench_decode import DECODE_GRID, DTYPE
+from common import progress, sets_for_bytes, time_graph
+
+FIELDS = ("entry_ns", "entry", "waited", "checked", "q_ready", "loop_done", "exit", "exit_ns", "sm_tiles", "cta")
+RECORD_WIDTH = 16  # kDecodeTimelineFields (common.cuh); the fields past FIELDS are unused
+MAX_RECORDS = 1 << 16
+
+
+def stamped_call(b, hq, hkv, d, length, calls):
+    """Records of one call in the middle of `calls` back to back in a graph, and the graph's
+    time per call (µs)."""
+    kv_bytes = 2 * b * hkv * length * d * 2
+    n = sets_for_bytes(kv_bytes)
+    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
+               torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
+    qs = [torch.randn(b, 1, hq * d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+    records = torch.zeros(MAX_RECORDS, RECORD_WIDTH, dtype=torch.int64, device="cuda")
+
+    def call(i):
+        gqa_torch.group_query_attention_(qs[i % n], new_k, new_v, caches[i % n][0], caches[i % n][1], seqlens,
+                                         num_heads=hq, kv_num_heads=hkv)
+
+    period = time_graph(call, n, calls_per_replay=max(calls, n))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            if i == calls // 2:
+                gqa_torch._C._set_decode_timeline(records)
+            call(i)
+            gqa_torch._C._set_decode_timeline(None)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    exit_ns = FIELDS.index("exit_ns")
+    rec = records[(records[:, 0] != 0) & (records[:, exit_ns] != 0)].cpu()  # the CTAs that computed
+    del graph, caches, qs
+    torch.cuda.empty_cache()
+    return rec, period
+
+
+def report(shape, rec, period_us):
+    b, hq, hkv, d, length = shape
+    cols = {name: rec[:, i].tolist() for i, name in enumerate(FIELDS)}
+    n = len(rec)
+    # SM cycles to ns: each CTA's entry-to-exit on both clocks.
+    rates = [(x1 - x0) / (n1 - n0) for x0, x1, n0, n1 in zip(cols["entry"], cols["exit"], cols["entry_ns"], cols["exit_ns"])
+             if n1 > n0]
+    ghz = statistics.median(rates) if rates else float("nan")
+    release = [n0 + (w - e) / ghz for n0, e, w in zip(cols["entry_ns"], cols["entry"], cols["waited"])]
+    exits = cols["exit_ns"]
+    t0 = min(release)
+    span_us = (max(exits) - t0) / 1e3
+    waits = [(w - e) / ghz / 1e3 for e, w in zip(cols["entry"], cols["waited"])]
+    work = [(x - max(r, e)) / 1e3 for r, e, x in zip(release, cols["entry_ns"], exits)]
+    loops = [(l - w) / ghz / 1e3 for w, l in zip(cols["waited"], cols["loop_done"])]
+    checks = [(c - w) / ghz / 1e3 for w, c in zip(cols["waited"], cols["checked"])]
+    q_ready = [(q - c) / ghz / 1e3 for c, q in zip(cols["checked"], cols["q_ready"])]
+    tile_loop = [(l - q) / ghz / 1e3 for q, l in zip(cols["q_ready"], cols["loop_done"])]
+    after_loop = [(x - l) / ghz / 1e3 for l, x in zip(cols["loop_done"], cols["exit"])]
+    sms = [v >> 32 for v in cols["sm_tiles"]]
+    tiles = [v & 0xFFFFFFFF for v in cols["sm_tiles"]]
+    first_wave = [r for r, e in zip(release, cols["entry_ns"]) if e <= t0]
+    last_exit_by_sm = {}
+    for sm, x in zip(sms, exits):
+        last_exit_by_sm[sm] = max(last_exit_by_sm.get(sm, 0), x)
+    idle_end = [(max(exits) - x) / 1e3 for x in last_exit_by_sm.values()]
+    stamps = sorted(set(cols["entry_ns"]) | set(exits))
+    steps = [y - x for x, y in zip(stamps, stamps[1:]) if y > x]
+
+    def mmm(xs):
+        return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
+
+    print(f"## B={b} {hq}/{hkv}/{d} L={length}: {n} CTAs on {len(last_exit_by_sm)} SMs, "
+          f"{statistics.mean(tiles):.1f} tiles a CTA (max {max(tiles)})")
+    print(f"  period in the graph {period_us:.2f} us; span from the first release to the last exit {span_us:.2f} us")
+    print(f"  SM clock {ghz:.3f} GHz; GPU timer step >= {min(steps) if steps else 0} ns")
+    print(f"  wait before release (us, min/median/max): {mmm(waits)}")
+    print(f"  work, release to exit (us): {mmm(work)}; release to loop done (us): {mmm(loops)}")
+    print(f"  after the release: error word and row checks {mmm(checks)}; then Q staged {mmm(q_ready)}; "
+          f"then the tiles {mmm(tile_loop)}; then the combine, partials and merge {mmm(after_loop)}")
+    print(f"  first wave: {len(first_wave)} CTAs released within {(max(first_wave) - t0) / 1e3:.2f} us "
+          f"of the first")
+    print(f"  tail: median exit to last {(max(exits) - statistics.median(exits)) / 1e3:.2f} us; "
+          f"SMs idle at the end {statistics.mean(idle_end):.2f} us on average (max {max(idle_end):.2f})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[0, 4, 6, 11], help="indices into the decode grid")
+    parser.add_argument("--calls", type=int, default=8, help="calls back to back in the graph")
+    args = parser.parse_args()
+    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for i in args.rows:
+        shape = DECODE_GRID[i]
+        progress(f"timeline: B={shape[0]} L={shape[4]}")
+        rec, period = stamped_call(*shape, args.calls)
+        if len(rec) == 0:
+            print(f"## {shape}: no records (not the tensor-core decode kernel?)")
+            continue
+        report(shape, rec, period)
+
+
+if __name__ == "__main__":
+    main()
