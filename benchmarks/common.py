@@ -33,6 +33,30 @@ def sets_for_bytes(bytes_per_set: int, target: int = 400 << 20, cap: int = 64) -
     return max(1, min(cap, -(-target // max(1, bytes_per_set))))
 
 
+def inplace_decode_step(b: int, hq: int, hkv: int, d: int, length: int, dtype: torch.dtype,
+                        seqlens: "torch.Tensor | None" = None):
+    """One in-place decode call (gqa_torch.group_query_attention_: append + attention) on
+    input set i % n, for CUDA-graph timing as bench_decode.py times it: n sets of K/V caches
+    [B, Hkv, L, D] and queries [B, 1, Hq D], enough to exceed L2, one new key and value, and
+    seqlens_k (default: every row full). Returns (step, n)."""
+    import gqa_torch  # (the benchmarks' own modules import it first; kept local for the others)
+
+    n = sets_for_bytes(2 * b * hkv * length * d * 2)
+    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=dtype),
+               torch.randn(b, hkv, length, d, device="cuda", dtype=dtype)) for _ in range(n)]
+    qs = [torch.randn(b, 1, hq * d, device="cuda", dtype=dtype) for _ in range(n)]
+    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=dtype)
+    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=dtype)
+    if seqlens is None:
+        seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+
+    def step(i: int) -> None:
+        k, v = caches[i % n]
+        gqa_torch.group_query_attention_(qs[i % n], new_k, new_v, k, v, seqlens, num_heads=hq, kv_num_heads=hkv)
+
+    return step, n
+
+
 def sdpa_views(qkv: list, b: int, length: int, d: int, hq: int, hkv: int):
     """Per input set, q, k and v of a packed [B, L, (Hq + 2 Hkv) D] tensor as [B, H, L, D]
     views (no copy), the layout SDPA takes."""

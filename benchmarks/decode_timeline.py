@@ -3,9 +3,9 @@
 
 Each CTA that computes stamps the GPU timer at entry and exit, and its SM's clock at entry,
 after the PDL wait, after the error word and the row checks, with Q staged, after its tile loop
-and at exit. For each shape this script captures a CUDA
-graph of calls back to back on rotating inputs (as bench_decode.py times them), with the stamps
-on for one call in the middle, replays it, and reports:
+and at exit. For each shape this script captures a CUDA graph of calls back to back on
+rotating inputs (as bench_decode.py times them), with the stamps on for one call in the
+middle, replays it, and reports:
 
 - the call's period in the graph (replay time / calls) against its span on the GPU timer, from
   the first CTA's release (the end of its PDL wait: the kernel before has finished) to the last
@@ -20,7 +20,8 @@ on for one call in the middle, replays it, and reports:
 
     python3 decode_timeline.py --rows 0 4 6 11
 
-Diagnostics only: the stamps cost a few instructions a CTA.
+Diagnostics only. Off, each stamp is a uniform branch; on the smallest calls that may cost
+0.1-0.2 us (csrc/kernels/NOTES.md, twenty-fifth round).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 
 import gqa_torch
 from bench_decode import DECODE_GRID, DTYPE
-from common import progress, sets_for_bytes, time_graph
+from common import inplace_decode_step, progress, time_graph
 
 FIELDS = ("entry_ns", "entry", "waited", "checked", "q_ready", "loop_done", "exit", "exit_ns", "sm_tiles", "cta")
 RECORD_WIDTH = 16  # kDecodeTimelineFields (common.cuh); the fields past FIELDS are unused
@@ -41,20 +42,8 @@ MAX_RECORDS = 1 << 16
 def stamped_call(b, hq, hkv, d, length, calls):
     """Records of one call in the middle of `calls` back to back in a graph, and the graph's
     time per call (µs)."""
-    kv_bytes = 2 * b * hkv * length * d * 2
-    n = sets_for_bytes(kv_bytes)
-    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
-               torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
-    qs = [torch.randn(b, 1, hq * d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+    call, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE)
     records = torch.zeros(MAX_RECORDS, RECORD_WIDTH, dtype=torch.int64, device="cuda")
-
-    def call(i):
-        gqa_torch.group_query_attention_(qs[i % n], new_k, new_v, caches[i % n][0], caches[i % n][1], seqlens,
-                                         num_heads=hq, kv_num_heads=hkv)
-
     period = time_graph(call, n, calls_per_replay=max(calls, n))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -75,12 +64,13 @@ def stamped_call(b, hq, hkv, d, length, calls):
     torch.cuda.synchronize()
     exit_ns = FIELDS.index("exit_ns")
     rec = records[(records[:, 0] != 0) & (records[:, exit_ns] != 0)].cpu()  # the CTAs that computed
-    del graph, caches, qs
+    del graph, call
     torch.cuda.empty_cache()
     return rec, period
 
 
 def report(shape, rec, period_us):
+    """Prints the summary of one call's records (the module docstring's list)."""
     b, hq, hkv, d, length = shape
     cols = {name: rec[:, i].tolist() for i, name in enumerate(FIELDS)}
     n = len(rec)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gqa_torch  # noqa: E402
-from common import progress, sets_for_bytes, time_graph, warm_up_gpu  # noqa: E402
+from common import inplace_decode_step, progress, time_graph, warm_up_gpu  # noqa: E402
 
 ROWS = [(1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768), (1, 14, 2, 64, 1024),
         (8, 32, 8, 128, 1024), (8, 32, 8, 128, 32768)]  # B, Hq, Hkv, D, L
@@ -25,18 +25,7 @@ MERGES = ["kernel", "cluster", "arrival"]
 
 
 def sweep_row(b: int, hq: int, hkv: int, d: int, length: int) -> str:
-    dt = torch.bfloat16
-    n = sets_for_bytes(2 * b * hkv * length * d * 2)
-    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=dt),
-               torch.randn(b, hkv, length, d, device="cuda", dtype=dt)) for _ in range(n)]
-    qs = [torch.randn(b, 1, hq * d, device="cuda", dtype=dt) for _ in range(n)]
-    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=dt)
-    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=dt)
-    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
-
-    def step(i: int) -> None:
-        gqa_torch.group_query_attention_(qs[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
-                                         num_heads=hq, kv_num_heads=hkv)
+    step, n = inplace_decode_step(b, hq, hkv, d, length, torch.bfloat16)
 
     cells = []
     try:

@@ -17,7 +17,7 @@ import torch
 
 import gqa_torch
 from bench_decode import DECODE_GRID, DTYPE
-from common import progress, sets_for_bytes, time_graph, write_tables
+from common import inplace_decode_step, progress, time_graph, write_tables
 
 SPLITS = [1, 2, 4, 8, 12, 16, 24, 33, 48, 64, 128]
 RAGGED_ROWS = [(32, 8192), (8, 32768)]  # B, capacity: bench_decode.ragged_table's rows
@@ -27,20 +27,11 @@ def sweep_row(b, hq, hkv, d, length, splits, lengths=None):
     """Times one row; `lengths` (a ragged row): each batch row's valid length in a cache of
     `length` rows."""
     kv_bytes = 2 * b * hkv * length * d * 2
-    n = sets_for_bytes(kv_bytes)
-    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
-               torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
-    qs = [torch.randn(b, 1, hq * d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+    seqlens = None
     if lengths is not None:
         seqlens = (lengths - 1).to(torch.int32).cuda()
         kv_bytes = 2 * int(lengths.sum()) * hkv * d * 2
-
-    def ours(i):
-        gqa_torch.group_query_attention_(qs[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
-                                         num_heads=hq, kv_num_heads=hkv)
+    ours, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE, seqlens)
 
     times = {"plan": time_graph(ours, n)}
     for s in splits:

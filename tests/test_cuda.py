@@ -930,14 +930,21 @@ def test_cuda_decode_early_tiles_switch(head_dim, early):
     the checks fail and must wait for them before they leave."""
     gqa_torch._C._set_decode_early_tiles(early)
     try:
-        for i, feat in enumerate(FEATURE_CYCLE[:3]):
-            case = make_case(["inplace", "functional"][i % 2], batch=3, seq=1, num_heads=8, kv_num_heads=2,
-                             head_dim=head_dim, capacity=1100, past_lengths=[1099, 5, 300], dtype=torch.bfloat16,
-                             layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+        _check_ragged_rows_three_features(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
     finally:
         gqa_torch._C._set_decode_early_tiles("auto")
+
+
+def _check_ragged_rows_three_features(head_dim):
+    """Three ragged decode calls (rows of 1,099, 5 and 300 past keys), in place and
+    functional, in both cache layouts, with the first three feature sets, against the
+    reference and the CPU backend."""
+    for i, feat in enumerate(FEATURE_CYCLE[:3]):
+        case = make_case(["inplace", "functional"][i % 2], batch=3, seq=1, num_heads=8, kv_num_heads=2,
+                         head_dim=head_dim, capacity=1100, past_lengths=[1099, 5, 300], dtype=torch.bfloat16,
+                         layout=i % 2, **feat)
+        _run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -951,11 +958,7 @@ def test_cuda_decode_l2_prefetch_switch(head_dim, prefetch):
     bad-row checks."""
     gqa_torch._C._set_decode_l2_prefetch(prefetch)
     try:
-        for i, feat in enumerate(FEATURE_CYCLE[:3]):
-            case = make_case(["inplace", "functional"][i % 2], batch=3, seq=1, num_heads=8, kv_num_heads=2,
-                             head_dim=head_dim, capacity=1100, past_lengths=[1099, 5, 300], dtype=torch.bfloat16,
-                             layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+        _check_ragged_rows_three_features(head_dim)
         _check_append_then_read_in_one_graph(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
     finally:
