@@ -28,7 +28,7 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // decode kernel then loads K straight into registers (launch_decode_loader), which streams
     // faster than one CTA an SM staging K and V through shared memory. H200, twenty-fifth
     // round: B8 L8192, 4 splits 68.7 us against 2 splits 71.3.
-    const int64_t hchunks = (static_cast<int64_t>(p.group_size) + 15) / 16;  // CTAs a kv head
+    const int64_t hchunks = decode_head_chunks(p.group_size);  // CTAs a kv head
     const int64_t two_per_sm = 2 * sms / (base_ctas * hchunks > 0 ? base_ctas * hchunks : 1);
     if (two_per_sm > splits && p.capacity / two_per_sm >= 2048) splits = two_per_sm;
     if (splits < 1) splits = 1;

@@ -60,4 +60,13 @@ inline int32_t active_splits(int32_t total, int32_t max_splits, int32_t min_spli
   return by_len < max_splits ? by_len : max_splits;
 }
 
+// The tensor-core decode's CTAs for one kv head and split: one a chunk of up to 16 of its
+// group_size query heads (the mma rows). The plan, the launch and the kernel all count them so.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int32_t decode_head_chunks(int32_t group_size) {
+  return (group_size + 15) >> 4;  // (group_size >= 1: a shift, without signed division's fix-up)
+}
+
 }  // namespace gqa

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int warp = tid >> 5;
   const int split = blockIdx.x;
   const int G = p.group_size;
-  const int hchunks = (G + 15) >> 4;
+  const int hchunks = decode_head_chunks(G);
   const int kvh = hchunks == 1 ? static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y) / hchunks;  // G <= 16: no division
   const int hc = blockIdx.y - kvh * hchunks;
   // The row: the grid's own, or the row of that rank in decreasing length (which reads
@@ -956,7 +956,7 @@ extern std::atomic<int> g_decode_features;
 // kernel. w.arrivals: the stream's counters when there are enough of them, else null.
 template <typename T, int D, int kLoader, bool kPlain>
 bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
-  const int hchunks = (p.group_size + 15) / 16;
+  const int hchunks = decode_head_chunks(p.group_size);
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
   const dim3 block(DecodeCfg<D>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
@@ -1005,7 +1005,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
   if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
-  const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * ((p.group_size + 15) / 16) * p.batch;
+  const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * decode_head_chunks(p.group_size) * p.batch;
   const bool many_ctas = ctas >= static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
   const bool long_ranges = p.capacity / w.max_splits >= 2048;
   if constexpr (D == 64 || D == 128) {

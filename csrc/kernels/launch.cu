@@ -81,7 +81,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
   if (plan.route == Route::kDecode) {
     // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
     // stream has enough of them (decode_arrival.cuh).
-    const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * ((p.group_size + 15) / 16);
+    const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * decode_head_chunks(p.group_size);
     if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots)
       w.arrivals = p.arrival_counters;
     const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
