@@ -64,6 +64,10 @@ def _choose_mode():
     return False, reason
 
 
+def _decode_timeline_requested():
+    return os.environ.get("GQA_DECODE_TIMELINE") == "1"
+
+
 def _write_build_info(with_cuda, reason, archs):
     # Read by gqa_torch.build_info(); generated, not committed.
     with open(os.path.join(ROOT, "gqa_torch", "_build_info.py"), "w") as f:
@@ -73,6 +77,7 @@ def _write_build_info(with_cuda, reason, archs):
         f.write(f"CUDA_ARCHS = {archs!r}\n")
         f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
         f.write(f"TORCH_CUDA = {torch.version.cuda!r}\n")
+        f.write(f"DECODE_TIMELINE = {bool(with_cuda and _decode_timeline_requested())!r}\n")
 
 
 def _extension():
@@ -99,6 +104,11 @@ def _extension():
     # The Hopper wgmma prefill exists only in sm90a code; without it prefill keeps mma.sync.
     if any(a.startswith("9.0a") for a in re.split(r"[;\s,]+", archs)):
         nvcc_flags.append("-DGQA_BUILT_SM90A")
+    # Diagnostics: the decode kernel's per-CTA stamps (benchmarks/decode_timeline.py) are
+    # compiled in only on request, since they cost the shortest calls even when off.
+    if _decode_timeline_requested():
+        _say("decode timeline stamps: on (GQA_DECODE_TIMELINE=1)")
+        nvcc_flags.append("-DGQA_DECODE_TIMELINE")
     return cpp_extension.CUDAExtension(
         "gqa_torch._C",
         sources,

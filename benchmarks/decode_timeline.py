@@ -20,8 +20,12 @@ middle, replays it, and reports:
 
     python3 decode_timeline.py --rows 0 4 6 11
 
-Diagnostics only. Off, each stamp is a uniform branch; on the smallest calls that may cost
-0.1-0.2 us (csrc/kernels/NOTES.md, twenty-fifth round).
+Diagnostics only, and only in a build with the stamps compiled in (they cost the smallest calls
+even when off, so the default build has none):
+
+    GQA_DECODE_TIMELINE=1 python3 setup.py build_ext --inplace
+
+(`scripts/gpu_check.sh dtimeline` builds such a copy of the tree and runs this script there.)
 """
 from __future__ import annotations
 
@@ -122,6 +126,9 @@ def main():
     parser.add_argument("--calls", type=int, default=8, help="calls back to back in the graph")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
+    if not gqa_torch.build_info().get("decode_timeline", False):
+        raise SystemExit("decode_timeline.py: this build has no decode stamps; rebuild with "
+                         "GQA_DECODE_TIMELINE=1 python3 setup.py build_ext --inplace")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for i in args.rows:

@@ -54,7 +54,8 @@ if os.environ.get("GQA_SYNC_ERRORS") == "1":
 
 
 def build_info() -> Dict[str, Any]:
-    """How this extension was built: mode (CUDA or CPU-only, and why), CUDA archs, torch."""
+    """How this extension was built: mode (CUDA or CPU-only, and why), CUDA archs, torch, and
+    whether the decode kernel has its diagnostic stamps (GQA_DECODE_TIMELINE=1 at build time)."""
     try:
         from . import _build_info as info
     except ImportError:  # built by something other than setup.py
@@ -67,4 +68,5 @@ def build_info() -> Dict[str, Any]:
         "built_against_cuda": info.TORCH_CUDA,
         "running_torch": torch.__version__,
         "cuda_kernels_available": cuda_kernels_available(),
+        "decode_timeline": getattr(info, "DECODE_TIMELINE", False),
     }

@@ -133,9 +133,16 @@ for step in $steps; do
         --json "$OUT/block_timeline.json" --raw "$OUT/block_timeline.pt") > "$OUT/timeline.log" 2>&1 || status=1
       grep -E "^\||^device" "$OUT/timeline.log" ;;
     dtimeline)
-      # Where a decode call's time goes, CTA by CTA (the decode kernel's per-CTA stamps).
-      (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 decode_timeline.py ${GQA_DTIMELINE_ARGS:-}) \
-        > "$OUT/dtimeline.log" 2>&1 || status=1
+      # Where a decode call's time goes, CTA by CTA (the decode kernel's per-CTA stamps). The
+      # stamps are compiled in only with GQA_DECODE_TIMELINE=1, so this step builds a copy of the
+      # tree with them (about two minutes at 16 jobs) and runs the script against that copy.
+      tl=/tmp/gqa_dtimeline; rm -rf "$tl"; mkdir -p "$tl"
+      tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$tl"
+      (cd "$tl" && GQA_DECODE_TIMELINE=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} \
+        GQA_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace) > "$OUT/dtimeline_build.log" 2>&1 \
+        || { echo "TIMELINE BUILD FAILED"; tail -20 "$OUT/dtimeline_build.log"; status=1; continue; }
+      (cd "$tl/benchmarks" && PYTHONPATH="$tl" timeout ${GQA_BENCH_TIMEOUT:-900} python3 decode_timeline.py \
+        ${GQA_DTIMELINE_ARGS:-}) > "$OUT/dtimeline.log" 2>&1 || status=1
       grep -v "^timeline:" "$OUT/dtimeline.log" ;;
     order)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 interleave_order.py ${GQA_ORDER_SHAPES:-2x4096x128 1x16384x128}) \

@@ -431,6 +431,48 @@ def test_cuda_prefill_timeline(head_dim, seq):
     assert not records.any(), "switched off, a call stamped the buffer"
 
 
+def test_cuda_decode_timeline_only_in_its_build():
+    """The decode kernel's per-CTA stamps (`_C._set_decode_timeline`, benchmarks/decode_timeline.py)
+    exist only in a build with GQA_DECODE_TIMELINE=1. Without them a valid buffer is refused with a
+    message that says how to get them, and a call afterwards writes nothing to it; with them,
+    every CTA of a call that computes stamps its record in order, and the output is the same bits."""
+    torch.manual_seed(11)
+    b, heads, kv_heads, d, cap, dt = 2, 8, 2, 128, 1024, torch.bfloat16
+    q = torch.randn(b, 1, heads * d, device="cuda", dtype=dt)
+    k, v = (torch.randn(b, 1, kv_heads * d, device="cuda", dtype=dt) for _ in range(2))
+    caches = [torch.randn(b, kv_heads, cap, d, device="cuda", dtype=dt) for _ in range(2)]
+    seqlens = torch.tensor([700, 1000], dtype=torch.int32, device="cuda")
+    records = torch.zeros(4096, 16, dtype=torch.int64, device="cuda")
+
+    def call():
+        kc, vc = (c.clone() for c in caches)
+        return gqa_torch.group_query_attention_(q, k, v, kc, vc, seqlens, num_heads=heads, kv_num_heads=kv_heads)
+
+    plain = call()
+    if not gqa_torch.build_info().get("decode_timeline", False):
+        with pytest.raises(ValueError, match=r"gqa: decode timeline: this build has no decode stamps; rebuild with "
+                                             r"GQA_DECODE_TIMELINE=1"):
+            gqa_torch._C._set_decode_timeline(records)
+        call()
+        torch.cuda.synchronize()
+        assert int(records.abs().sum()) == 0, "a refused buffer was written"
+        return
+    gqa_torch._C._set_decode_timeline(records)
+    try:
+        stamped = call()
+    finally:
+        gqa_torch._C._set_decode_timeline(None)
+    torch.cuda.synchronize()
+    assert bits_equal(stamped, plain), "the stamps changed the output"
+    r = records[records[:, 7] != 0].cpu()  # exit_ns: the CTAs that computed
+    assert len(r) > 0, "no CTA stamped"
+    # entry_ns, entry, waited, checked, q_ready, loop_done, exit, exit_ns (decode_timeline.py)
+    assert ((r[:, 1] <= r[:, 2]) & (r[:, 2] <= r[:, 3]) & (r[:, 3] <= r[:, 4]) & (r[:, 4] <= r[:, 5]) &
+            (r[:, 5] <= r[:, 6]) & (r[:, 0] <= r[:, 7])).all(), "the stamps are in order"
+    rows = sorted({int(x) >> 32 for x in r[:, 9]})
+    assert rows == [0, 1], "both rows' CTAs stamped"
+
+
 @pytest.fixture(params=["auto", "cp_async"])
 def prefill_q_loader(request):
     """Pins how the warp-specialised prefill stages Q: "auto" (by TMA, where G divides 64, the
@@ -934,6 +976,100 @@ def test_cuda_decode_early_tiles_switch(head_dim, early):
         _check_bad_row_on_tensor_cores("bf16", head_dim)
     finally:
         gqa_torch._C._set_decode_early_tiles("auto")
+
+
+def _claims_available():
+    return torch.cuda.get_device_capability()[0] == 9 and "9.0a" in gqa_torch.build_info()["cuda_archs"]
+
+
+@contextlib.contextmanager
+def _chunk_claims(claims, merge, max_splits):
+    """The decode splits with K in registers (the regs_k loader, which claims chunks), `claims`
+    ("auto": chunks claimed at run time where the splits merge in the launch; "off": fixed
+    ranges), `merge` and `max_splits` pinned (the smallest split one key), all given back."""
+    gqa_torch._C._set_decode_loader("regs_k")
+    gqa_torch._C._set_decode_claims(claims)
+    try:
+        with _decode_pinned(merge, max_splits, 1):
+            yield
+    finally:
+        gqa_torch._C._set_decode_claims("auto")
+        gqa_torch._C._set_decode_loader("auto")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("merge,max_splits", [("arrival", 3), ("arrival", 16), ("cluster", 2), ("cluster", 8),
+                                              ("kernel", 4)])
+@pytest.mark.parametrize("claims", ["auto", "off"])
+def test_cuda_decode_chunk_claims(head_dim, merge, max_splits, claims):
+    """The splits' keys claimed chunk by chunk at run time (a warp's first two chunks fixed, the
+    rest from a counter that the merging CTA resets) or in fixed ranges: ragged rows long enough
+    that the counter deals most chunks (7,999 keys: 125 chunks of 64 keys at head size 128, 63
+    of 128 at 64, against 2 x 4 x splits fixed ones) beside short ones whose split CTAs find no
+    chunk at all (a zero partial of weight 0), in place and functional, both layouts, three
+    feature sets, one call after another on the same counters; then a captured call replayed
+    with new lengths each time (the counters must be zero again after every replay); then the
+    bad-row checks. The merge kernel cannot reset a counter, so there the splits keep fixed
+    ranges whatever the switch says."""
+    if not _claims_available():
+        pytest.skip("the regs_k decode loader (which claims chunks) needs an sm90 GPU and a build for 9.0a")
+    with _chunk_claims(claims, merge, max_splits):
+        for i, feat in enumerate(FEATURE_CYCLE[:3]):
+            case = make_case(["inplace", "functional"][i % 2], batch=4, seq=1, num_heads=8, kv_num_heads=2,
+                             head_dim=head_dim, capacity=8192, past_lengths=[7998, 5, 3000, 64],
+                             dtype=torch.bfloat16, layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+        _check_replays_with_new_lengths(head_dim, [[7000, 100, 2500], [300, 8100, 8191], [4096, 4095, 1]])
+        _check_bad_row_on_tensor_cores("bf16", head_dim)
+
+
+def _check_replays_with_new_lengths(head_dim, lengths):
+    """One in-place decode call of 3 rows (capacity 8,192) captured once, then replayed with each
+    list of past lengths in `lengths` in turn, each replay against the reference."""
+    case = make_case("inplace", batch=3, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=8192,
+                     past_lengths=lengths[0], dtype=torch.bfloat16, device="cuda", poison_unused=False)
+    static = case.clone()
+
+    def step():
+        return gqa_torch.group_query_attention_(static.query, static.key, static.value, static.cache_key,
+                                                static.cache_value, static.seqlens_k, **static.attrs)
+
+    start_k, start_v = static.cache_key.clone(), static.cache_value.clone()
+    graph, static_out = _capture(step, warmups=2)
+    for pasts in lengths:
+        static.cache_key.copy_(start_k)
+        static.cache_value.copy_(start_v)
+        static.seqlens_k.copy_(torch.tensor(pasts, dtype=torch.int32))
+        for t in (static.query, static.key, static.value):
+            t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+        static_out.fill_(float("nan"))  # what the replay does not write shows
+        before = static.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        gqa_torch.check_errors()
+        ref_out, ref_k, ref_v = before.reference()
+        assert_output_close(static_out, ref_out, before, suite="cuda_graph")
+        check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
+@pytest.mark.parametrize("claims,merge,claiming", [("auto", "arrival", True), ("auto", "cluster", True),
+                                                   ("off", "arrival", False), ("auto", "kernel", False)])
+def test_cuda_decode_chunk_claims_pick_the_kernel(claims, merge, claiming):
+    """Which decode kernel runs: the claiming build of the regs_k loader (loader code 3 in its
+    template arguments) where claims are on and the splits merge in the launch, the fixed-range
+    one (code 2) otherwise."""
+    if not _claims_available():
+        pytest.skip("the regs_k decode loader (which claims chunks) needs an sm90 GPU and a build for 9.0a")
+    if merge == "cluster" and not _cluster_merge_available():
+        pytest.skip("no thread-block cluster merge here")
+    case = make_case("inplace", batch=2, seq=1, num_heads=32, kv_num_heads=8, head_dim=128, capacity=4096,
+                     past_lengths=[4000, 4000], dtype=torch.bfloat16, device="cuda")
+    with _chunk_claims(claims, merge, 2):
+        names = _cuda_kernel_names(lambda: case.clone().run())
+    if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
+        pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+    loaders = {m.group(1) for n in names for m in [re.search(r"decode_mma_kernel<[^,]+, 128, (\d+),", n)] if m}
+    assert loaders == ({"3"} if claiming else {"2"}), names
 
 
 def _check_ragged_rows_three_features(head_dim):

@@ -43,7 +43,9 @@ void set_prefill_q_loader(const std::string& loader);
 void set_prefill_timeline(const std::optional<at::Tensor>& records);
 
 // Diagnostics: the tensor-core decode kernel's per-CTA stamps (kernels/launch.h,
-// set_decode_timeline) into `records`, as set_prefill_timeline but [n, 16].
+// set_decode_timeline) into `records`, as set_prefill_timeline but [n, 16]. Only a build with
+// GQA_DECODE_TIMELINE=1 in the environment has the stamps; elsewhere a tensor is refused (after
+// the checks).
 void set_decode_timeline(const std::optional<at::Tensor>& records);
 
 // Tests and benchmarks: who writes the new rows of an in-place prefill without RoPE to the
@@ -83,6 +85,11 @@ void set_decode_early_tiles(const std::string& early);
 // keys and its query rows before the PDL wait, "auto" (the default: where the call's caches
 // hold at most 8 MB of K and V), "off" or "on" (always). No-op in a CPU-only build.
 void set_decode_l2_prefetch(const std::string& prefetch);
+
+// Tests and benchmarks: whether the decode splits with K in registers take their keys in chunks
+// claimed at run time, "auto" (the default: wherever they merge inside the launch) or "off"
+// (fixed ranges). No-op in a CPU-only build.
+void set_decode_claims(const std::string& claims);
 
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);

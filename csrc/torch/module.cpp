@@ -28,7 +28,8 @@ PYBIND11_MODULE(_C, m) {
         "block (benchmarks/block_timeline.py), or None (the default: off). Keep the tensor alive while set.");
   m.def("_set_decode_timeline", &gqa::set_decode_timeline, pybind11::arg("records"),
         "Diagnostics: an int64 CUDA tensor [n, 16] that the tensor-core decode kernel stamps per CTA "
-        "(benchmarks/decode_timeline.py), or None (the default: off). Keep the tensor alive while set.");
+        "(benchmarks/decode_timeline.py), or None (the default: off). Keep the tensor alive while set. "
+        "Only a build with GQA_DECODE_TIMELINE=1 in the environment stamps; others refuse a tensor.");
   m.def("_set_prefill_append", &gqa::set_prefill_append, pybind11::arg("append"),
         "Tests and benchmarks: who appends an in-place prefill's new rows (no RoPE) to the caches, \"auto\" "
         "(the attention kernel, for rows with no past, where it can: the default) or \"prep\" (always prep).");
@@ -56,6 +57,10 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: whether the tensor-core decode kernel asks L2 for its split's first keys and its "
         "query rows before it waits for the kernel before it, \"auto\" (the default: where the call's caches hold "
         "at most 8 MB of K and V), \"off\" or \"on\" (always).");
+  m.def("_set_decode_claims", &gqa::set_decode_claims, pybind11::arg("claims"),
+        "Tests and benchmarks: whether the decode splits with K in registers take their keys in chunks claimed "
+        "from a counter at run time, \"auto\" (the default: wherever the splits merge inside the launch) or "
+        "\"off\" (each split a fixed range).");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
