@@ -39,8 +39,6 @@ FEATURE_COLUMNS = ["general"]
 EARLY_COLUMNS = ["off"]
 # The L2 prefetch before the PDL wait off and on (auto: on where the caches hold <= 8 MB of K/V).
 L2_COLUMNS = ["off", "on"]
-# The splits with K in registers on fixed key ranges (auto: chunks claimed at run time).
-CLAIM_COLUMNS = ["off"]
 
 
 def pinned(step, switch, value):
@@ -112,8 +110,7 @@ def decode_table(args):
                                        (gqa_torch._C._set_decode_schedule, SCHEDULE_COLUMNS, "schedule_"),
                                        (gqa_torch._C._set_decode_features, FEATURE_COLUMNS, "features_"),
                                        (gqa_torch._C._set_decode_early_tiles, EARLY_COLUMNS, "early_"),
-                                       (gqa_torch._C._set_decode_l2_prefetch, L2_COLUMNS, "l2_"),
-                                       (gqa_torch._C._set_decode_claims, CLAIM_COLUMNS, "claims_")):
+                                       (gqa_torch._C._set_decode_l2_prefetch, L2_COLUMNS, "l2_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
         times = time_graphs_interleaved(steps, n)
@@ -168,12 +165,10 @@ def ragged_table():
                  "flash_full": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}
         for value in SCHEDULE_COLUMNS:
             steps["schedule_" + value] = pinned(ours, gqa_torch._C._set_decode_schedule, value)
-        for value in CLAIM_COLUMNS:
-            steps["claims_" + value] = pinned(ours, gqa_torch._C._set_decode_claims, value)
         head = time_graphs_interleaved(steps, n)
         t_ours, t_cudnn_mask, t_eff_mask, t_flash_full = (head["ours"], head["cudnn_mask"], head["eff_mask"],
                                                           head["flash_full"])
-        t_schedules = {k: v for k, v in head.items() if k.startswith(("schedule_", "claims_"))}
+        t_schedules = {k: v for k, v in head.items() if k.startswith("schedule_")}
         masked = min(t for t in (t_cudnn_mask, t_eff_mask, t_flash_full) if t == t)
         row = dict(B=b, capacity=capacity, mean_len=float(lengths.float().mean()), valid_MB=valid_bytes / 1e6,
                    ours_us=t_ours, **{f"{k}_us": t for k, t in t_schedules.items()},
@@ -259,8 +254,7 @@ def main():
         rows = decode_table(args)
         cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS],
                 *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], *[f"features_{k}_us" for k in FEATURE_COLUMNS],
-                *[f"early_{k}_us" for k in EARLY_COLUMNS], *[f"l2_{k}_us" for k in L2_COLUMNS],
-                *[f"claims_{k}_us" for k in CLAIM_COLUMNS], "sdpa_flash_us",
+                *[f"early_{k}_us" for k in EARLY_COLUMNS], *[f"l2_{k}_us" for k in L2_COLUMNS], "sdpa_flash_us",
                 "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
@@ -270,7 +264,6 @@ def main():
     if args.only is None or "ragged" in args.only:
         rows = ragged_table()
         cols = ["B", "capacity", "mean_len", "valid_MB", "ours_us", *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS],
-                *[f"claims_{k}_us" for k in CLAIM_COLUMNS],
                 "sdpa_cudnn_mask_us", "sdpa_efficient_mask_us",
                 "sdpa_flash_full_capacity_us", "speedup_vs_best", "capacity_over_mean", "floor_us", "pct_of_4_8TBps"]
         out.append(write_tables("decode_ragged", meta, rows, cols, "Ragged decode"))

@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|dtimeline|order|profile|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|dtbuild|dtimeline|order|profile|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of each test process;
@@ -14,7 +14,8 @@
 # at GQA_AB_BASE (another checkout, built there with build_ext; this checkout's script imports
 # its gqa_torch) and in this one, GQA_AB_REPEATS times each, to set two builds' ours / cuDNN side
 # by side), GQA_TIMELINE_ARGS those of block_timeline.py, GQA_DTIMELINE_ARGS those of
-# decode_timeline.py (the "dtimeline" step),
+# decode_timeline.py (the "dtimeline" step, which runs it in a copy of the tree built with the
+# decode stamps: "dtbuild", GQA_DTIMELINE_TREE),
 # GQA_ORDER_SHAPES the shapes of interleave_order.py (the "order" step), GQA_SWEEP_ARGS those of
 # sweep_decode_splits.py (the "sweep" step). scripts/gpu_pair.sh
 # runs a round on two GPUs.
@@ -132,18 +133,30 @@ for step in $steps; do
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 block_timeline.py ${GQA_TIMELINE_ARGS:-} \
         --json "$OUT/block_timeline.json" --raw "$OUT/block_timeline.pt") > "$OUT/timeline.log" 2>&1 || status=1
       grep -E "^\||^device" "$OUT/timeline.log" ;;
-    dtimeline)
+    dtbuild|dtimeline)
       # Where a decode call's time goes, CTA by CTA (the decode kernel's per-CTA stamps). The
-      # stamps are compiled in only with GQA_DECODE_TIMELINE=1, so this step builds a copy of the
-      # tree with them (about two minutes at 16 jobs) and runs the script against that copy.
-      tl=/tmp/gqa_dtimeline; rm -rf "$tl"; mkdir -p "$tl"
-      tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$tl"
-      (cd "$tl" && GQA_DECODE_TIMELINE=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} \
-        GQA_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace) > "$OUT/dtimeline_build.log" 2>&1 \
-        || { echo "TIMELINE BUILD FAILED"; tail -20 "$OUT/dtimeline_build.log"; status=1; continue; }
+      # stamps are compiled in only with GQA_DECODE_TIMELINE=1, so "dtbuild" builds a copy of the
+      # tree with them at $GQA_DTIMELINE_TREE (about two minutes at 16 jobs; it may run in the
+      # background beside the main build), and "dtimeline" builds it unless that is done, then
+      # runs decode_timeline.py and the timeline's GPU test against that copy.
+      tl=${GQA_DTIMELINE_TREE:-/tmp/gqa_dtimeline}
+      # A "dtbuild" under way in the background: wait for it (up to 10 minutes).
+      for _ in $(seq 600); do [ -e "$tl/.building" ] && [ ! -e "$tl/.built" ] || break; sleep 1; done
+      if [ ! -e "$tl/.built" ]; then
+        rm -rf "$tl"; mkdir -p "$tl"; touch "$tl/.building"
+        tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$tl"
+        (cd "$tl" && GQA_DECODE_TIMELINE=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} \
+          GQA_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace) > "$OUT/dtimeline_build.log" 2>&1 \
+          || { echo "TIMELINE BUILD FAILED"; tail -20 "$OUT/dtimeline_build.log"; rm -f "$tl/.building"; status=1; continue; }
+        touch "$tl/.built"
+      fi
+      [ "$step" = dtbuild ] && continue
       (cd "$tl/benchmarks" && PYTHONPATH="$tl" timeout ${GQA_BENCH_TIMEOUT:-900} python3 decode_timeline.py \
         ${GQA_DTIMELINE_ARGS:-}) > "$OUT/dtimeline.log" 2>&1 || status=1
-      grep -v "^timeline:" "$OUT/dtimeline.log" ;;
+      grep -v "^timeline:" "$OUT/dtimeline.log"
+      (cd "$tl" && PYTHONPATH="$tl" timeout 300 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider \
+        -k "decode_timeline_only_in_its_build") > "$OUT/dtimeline_test.log" 2>&1 || status=1
+      tail -1 "$OUT/dtimeline_test.log" ;;
     order)
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 interleave_order.py ${GQA_ORDER_SHAPES:-2x4096x128 1x16384x128}) \
         > "$OUT/order.log" 2>&1 || status=1

@@ -73,8 +73,6 @@ struct Params {
   // null when that stream has none. With them the decode splits merge inside their launch.
   uint32_t* arrival_counters = nullptr;
   int32_t arrival_slots = 0;
-  // As many more such counters, beside them: the decode splits' chunk claims (kLoadTmaVClaim).
-  uint32_t* claim_counters = nullptr;
 };
 
 inline int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }

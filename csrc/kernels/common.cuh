@@ -44,10 +44,6 @@ struct Work {
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
   // otherwise. They are zero between calls: the last CTA resets its counter.
   uint32_t* arrivals = nullptr;
-  // Decode, kLoadTmaVClaim: the per-stream claim counters (Params::claim_counters), indexed as
-  // the arrival counters; zero between calls (the CTA that merges resets its slot's). Null:
-  // the splits keep fixed key ranges.
-  uint32_t* claims = nullptr;
   // Decode on tensor cores: each CTA issues its split's first tiles right after the PDL wait,
   // before the error word and the row checks (decode_mma.cuh); 0: after them.
   int32_t early_tiles = 0;

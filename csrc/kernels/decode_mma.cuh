@@ -39,13 +39,7 @@ namespace detail {
 // shared memory (TMA or cp.async, at any depth, box shape or CTA count) tops out near 4.3 TB/s,
 // plain loads with enough warps near 4.55, and K by loads with V by TMA reached 4.5-4.58 with
 // the decode grid's CTAs and nothing computed (scripts/decode_bw_probe.cu).
-//
-// kLoadTmaVClaim is kLoadTmaV with the keys dealt in chunks claimed at run time (Work::claims):
-// each warp of a (row, kv head, head chunk)'s split CTAs streams chunks of kClaimTiles slices
-// (16 keys each), its first two by a fixed rule and the rest taken from the slot's claim
-// counter, so that a CTA on a slower SM, or one that started late, takes fewer keys instead of
-// finishing last. The online softmax and the split merge do not care which keys a warp took.
-enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaVClaim = 3 };
+enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2 };
 
 // Four warps and 64-key stages (two warps and 32-key stages for D = 256). A variant with two
 // warps, 32-key stages and 6-8 stages was measured slower on every decode row (H200).
@@ -54,8 +48,7 @@ enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTm
 template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
   static constexpr bool kTma = kLoader != kLoadCpAsync;
-  static constexpr bool kRegK = kLoader == kLoadTmaV || kLoader == kLoadTmaVClaim;
-  static constexpr bool kClaims = kLoader == kLoadTmaVClaim;
+  static constexpr bool kRegK = kLoader == kLoadTmaV;
   static constexpr int kWarps = D >= 256 ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16 * kWarps;  // keys per pipeline stage: 16 per warp
@@ -76,12 +69,6 @@ struct DecodeCfg {
   static_assert(!kTma || D % 64 == 0, "the TMA boxes are 64 columns wide");
   static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
-  // kClaims: a warp's chunk is kClaimTiles of its 16-key slices. At least kStages - 1, so that
-  // the tiles a step touches (its own and the one it issues kStages - 1 ahead) lie in at most
-  // two chunks, the current and the next; even, so that the K register sets alternate within
-  // a chunk.
-  static constexpr int kClaimTiles = kStages - 1 <= 4 ? 4 : 8;
-  static_assert(!kClaims || (kClaimTiles >= kStages - 1 && kClaimTiles % 2 == 0), "claim chunk length");
   // The stages, once drained, hold the warps' combine buffer [kWarps][16][D] and after it the
   // CTA's summed output rows [16][D] that a cluster merge reads (floats).
   static_assert((kWarps + 1) * 16 * D * 4 <= kStages * kStageBytes, "combine buffers must fit in the stages");
@@ -169,8 +156,8 @@ __device__ __forceinline__ void cluster_idle() {
 // its block coordinates. Only in a build with GQA_DECODE_TIMELINE defined (setup.py defines it
 // when the environment sets GQA_DECODE_TIMELINE=1): elsewhere a stamp is no code at all. As
 // uniform branches on a null pointer the seven stamp sites were not free at B = 1, where the
-// warps wait for instructions: 14/2/64 L1024 read 4.90, 5.02 and 5.09 us over three H200 calls
-// as the sites went 0, 5 and 7 (twenty-fifth round).
+// warps wait for instructions: built out, B1 L1024 ran 5.99 us against 6.18 with them, and
+// 14/2/64 L1024 4.87 against 5.09 (H200, twenty-fifth and twenty-sixth rounds).
 #ifdef GQA_DECODE_TIMELINE
 constexpr bool kDecodeTimelineBuilt = true;
 #else
@@ -228,8 +215,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   using Cfg = DecodeCfg<D, kLoader>;
   constexpr bool kTma = Cfg::kTma;
   constexpr bool kRegK = Cfg::kRegK;
-  constexpr bool kClaims = Cfg::kClaims;
-  constexpr int kClaimTiles = Cfg::kClaimTiles;
   constexpr int kKU = Cfg::kKChunks;
   constexpr int kStride = Cfg::kStride;
   constexpr int kTile = Cfg::kTile;
@@ -248,7 +233,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   __shared__ float2 fin_ml[16];  // per query head: the CTA's running max (log2) and sum
   __shared__ uint32_t x_status;  // w.cluster_merge: nonzero when this CTA took the error path
   __shared__ __align__(8) uint64_t slice_full[kTma ? Cfg::kWarps * kStages : 1];  // [warp][stage]
-  __shared__ uint32_t claim_sink[kClaims ? Cfg::kWarps : 1];  // kClaims: each warp's last claim, used
 
   decode_stamp(w, kDtEntryNs);
   decode_stamp(w, kDtEntry);
@@ -306,9 +290,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int n = vis.hi - vis.lo;
   const int active = active_splits(n, w.max_splits, w.min_split_keys);
   const int chunk = (n + active - 1) / active;
-  // kClaims: every split CTA takes its keys from the whole range, chunk by chunk.
-  const int k0 = kClaims ? vis.lo : vis.lo + split * chunk;
-  const int k1 = kClaims ? vis.hi : min(vis.hi, k0 + chunk);
+  const int k0 = vis.lo + split * chunk;
+  const int k1 = min(vis.hi, k0 + chunk);
 
   auto aligned16 = [](const T* row, int64_t stride) {
     return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
@@ -326,7 +309,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // point where all reads and writes meet, so the kernel before may still write these lines
   // (the previous step's append, its output fed back as q): the copies read what it wrote.
   // Only for a valid row's non-empty split, whose keys lie inside the capacity.
-  if (!kClaims && w.l2_prefetch != 0 && g.flags == 0 && split < active && k0 < k1) {
+  if (w.l2_prefetch != 0 && g.flags == 0 && split < active && k0 < k1) {
     constexpr int kL2Keys = (kStages - 1 < 2 ? kStages - 1 : 2) * kTile;
     const int keys = min(k1 - k0, kL2Keys);
     const int64_t first = static_cast<int64_t>(k0) * cs.token;
@@ -427,56 +410,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // capacity are zero-filled; rows past the split's end but inside the capacity are loaded
   // and, for V, zeroed after the wait: P is 0 there, and 0 times a stale NaN would be NaN).
   const int kw = warp * 16;  // this warp's keys within a tile
-
-  // kClaims (kLoadTmaVClaim): chunk c holds keys [k0 + c * kChunkKeys, k0 + (c + 1) * kChunkKeys),
-  // and a warp's tiles are its chunks' slices in order. Its chunk of ordinal i (0, 1, ...) is
-  // gw + i * warps (gw: the warp's index over the active splits' warps) while i < 2; from i = 2
-  // (with several splits, `claiming`) it is 2 * warps plus what the slot's claim counter
-  // returned. Lane 0 asks the counter for ordinal i + 2 when the warp enters chunk i, so the
-  // answer has a chunk of tiles to come back. A warp's chunks only grow, so its tiles run out
-  // for good at the first one past k1. The counter goes back to zero with the merge: the last
-  // split to arrive, or split 0 after the cluster's barriers, once every claim has returned
-  // (each warp's last answer is stored in claim_sink before its CTA arrives).
-  constexpr int kChunkKeys = 16 * kClaimTiles;
-  const bool claiming = kClaims && active > 1 && w.claims != nullptr;
-  uint32_t* const claim_counter =
-      claiming ? w.claims + static_cast<int64_t>(b) * gridDim.y + blockIdx.y : nullptr;
-  const int warps_all = active * Cfg::kWarps;
-  const int gw = split * Cfg::kWarps + warp;
-  int chunk_ord = 0;  // the ordinal of chunk_cur; chunk_next is ordinal chunk_ord + 1
-  int chunk_cur = gw, chunk_next = gw + warps_all;
-  uint32_t claim_pending = 0;  // lane 0: the counter's answer for ordinal chunk_ord + 2
-  // The first key of this warp's slice of its tile `tile` (which lies in chunk_ord or the next).
-  auto slice_first = [&](int tile) -> int {
-    if constexpr (kClaims) {
-      const int c = tile / kClaimTiles == chunk_ord ? chunk_cur : chunk_next;
-      return k0 + c * kChunkKeys + (tile % kClaimTiles) * 16;
-    } else {
-      return k0 + tile * kTile + kw;
-    }
-  };
-  // Whether this warp (kClaims) or the CTA has a tile `tile`.
-  auto has_tile = [&](int tile) -> bool {
-    if constexpr (kClaims) {
-      return slice_first(tile) < k1;
-    } else {
-      return tile < ntiles;
-    }
-  };
-  auto claim_chunk = [&]() {
-    if (claiming && lane == 0) claim_pending = atomicAdd(claim_counter, 1u);
-  };
-  auto next_chunk = [&]() {
-    ++chunk_ord;
-    chunk_cur = chunk_next;
-    chunk_next = claiming ? 2 * warps_all + __shfl_sync(0xffffffffu, static_cast<int>(claim_pending), 0)
-                          : gw + (chunk_ord + 1) * warps_all;
-    claim_chunk();
-  };
-  auto reset_claims = [&]() {
-    if (claiming && threadIdx.x == 0) *claim_counter = 0u;
-  };
-  auto slice_keys = [&](int tile) { return min(16, k1 - slice_first(tile)); };  // <= 0: none
+  auto slice_keys = [&](int tile) { return min(16, k1 - (k0 + tile * kTile + kw)); };  // <= 0: none
   // 16-byte chunk c of row r (0-15) of this warp's K (or V) slice in a stage.
   auto slice_chunk = [&](int stage, bool v, int r, int c) -> T* {
     if constexpr (kTma) {
@@ -491,7 +425,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (lane != 0 || slice_keys(tile) <= 0) return;
     const uint32_t bar = slice_bars + 8u * stage;
     mbarrier_arrive_expect_bytes(bar, static_cast<uint32_t>((kRegK ? 1 : 2) * Cfg::kSliceBytes));
-    const int row = slice_first(tile);
+    const int row = k0 + tile * kTile + kw;
 #pragma unroll
     for (int cb = 0; cb < D / 64; ++cb) {
       if constexpr (!kRegK) {
@@ -512,7 +446,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // past the capacity); the new key is patched into the registers after the load.
   const T* k_lane = kbase + (lane & 3) * 8;
   auto load_k = [&](int tile, uint4 (&kr)[2][kKU]) {
-    const int key0 = slice_first(tile) + (lane >> 2);
+    const int key0 = k0 + tile * kTile + kw + (lane >> 2);
 #pragma unroll
     for (int grp = 0; grp < 2; ++grp) {
       const int key = key0 + grp * 8;
@@ -528,7 +462,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if constexpr (kTma) {
 #pragma unroll
       for (int s = 0; s < kStages - 1; ++s) {
-        if (has_tile(s)) load_slice(s, s);
+        if (s < ntiles) load_slice(s, s);
       }
     } else {
 #pragma unroll
@@ -548,7 +482,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   auto drain_first_tiles = [&]() {
     if constexpr (kTma) {
       if (lane == 0) {
-        for (int s = 0; s < kStages - 1 && has_tile(s); ++s) {
+        for (int s = 0; s < kStages - 1 && s < ntiles; ++s) {
           if (slice_keys(s) > 0) mbarrier_wait(slice_bars + 8u * s, 0);
         }
       }
@@ -583,7 +517,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (w.cluster_merge) {
       if (tid == 0) x_status = 1u;
       cluster_idle();
-      if (split == 0) reset_claims();  // (only another stream's error word makes splits claim here)
     }
     // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
     // the merge write NaN, should another split have passed its checks).
@@ -591,7 +524,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
       for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
       if (arrive_last(arrival_counter(w, b), active)) {
-        reset_claims();
         for (int i = tid; i < nh * D; i += Cfg::kThreads) {
           const int r = i / D;
           out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
@@ -624,7 +556,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   }
 
   decode_stamp(w, kDtChecked);
-  claim_chunk();  // ordinal 2's (kClaims, several splits)
   if (!early) issue_first_tiles();
 
   // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, after the
@@ -633,7 +564,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   uint4 k_even[2][kKU], k_odd[2][kKU];
   if constexpr (kRegK) {
     load_k(0, k_even);
-    if (has_tile(1)) load_k(1, k_odd);
+    if (ntiles > 1) load_k(1, k_odd);
   }
 
   // Q rows (RoPE'd, rounded to T) while the first tiles are in flight; rows >= nh are zero.
@@ -701,7 +632,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     const int64_t coff = b * cs.batch + static_cast<int64_t>(g.past) * cs.token + kvh * cs.head;
     T* kdst = static_cast<T*>(p.key_cache) + coff;
     T* vdst = static_cast<T*>(p.value_cache) + coff;
-    const bool write_cache = hc == 0 && (!kClaims || split == 0);  // kClaims: every CTA holds it
+    const bool write_cache = hc == 0;
     if (kv_pre) {  // the units read after the PDL wait (cache rows are 16-byte aligned here)
       if (tid < q_units) {
         int c0, c1;
@@ -769,7 +700,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if constexpr (kTma) {
       // This warp's slice of tile - 1 is consumed (its ldmatrix reads and any new-key patch or
       // zeroed rows are this warp's own, ordered before the TMA writes by the proxy fence).
-      if (has_tile(nt)) {
+      if (nt < ntiles) {
         __syncwarp();
         generic_to_async_proxy();
         load_slice(nt, nt % kStages);
@@ -796,12 +727,12 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       cp_async_wait<kStages - 1>();
       __syncthreads();
     }
-    const int s0 = slice_first(tile);  // this warp's first key
-    if (s0 >= k1) return;  // this warp's keys are all past the end
+    const int t0 = k0 + tile * kTile;
+    if (t0 + kw >= k1) return;  // this warp's keys are all past the end
     // The new key replaces the cache row it was copied from (the row this launch writes):
     // only the warp whose 16 keys hold it reads it.
-    if (owner && g.past >= s0 && g.past < s0 + 16) {
-      const int r = g.past - s0;
+    if (owner && g.past >= t0 + kw && g.past < t0 + kw + 16) {
+      const int r = g.past - t0 - kw;
       if constexpr (kRegK) {
         if ((lane >> 2) == (r & 7)) {  // the four lanes that hold key r (load_k's order)
           const uint4* nk = reinterpret_cast<const uint4*>(new_s) + (lane & 3);
@@ -832,7 +763,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       // kc is spent: it takes tile + 2 (the other set holds tile + 1), so two tiles of K stay
       // in flight behind the compute with two register sets. (With one, a CTA an SM kept only
       // 16 KB of K in flight, and rows with one CTA an SM ran up to 1.25x slower than TMA.)
-      if (has_tile(tile + 2)) load_k(tile + 2, kc);
+      if (tile + 2 < ntiles) load_k(tile + 2, kc);
     }
 #pragma unroll
     for (int kk = 0; kk < (kRegK ? 0 : D / 16); ++kk) {
@@ -849,7 +780,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
 
     // Scores -> log2 domain, masked past k1; per-row (head) max over this warp's 16 keys.
-    const bool need_mask = s0 + 16 > k1;
+    const bool need_mask = t0 + kw + 16 > k1;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn) {
@@ -862,7 +793,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
           x *= scale_l2;
         }
         if (need_mask) {
-          const int j = s0 + nn * 8 + 2 * (lane & 3) + (e & 1);
+          const int j = t0 + kw + nn * 8 + 2 * (lane & 3) + (e & 1);
           if (j >= k1) x = -INFINITY;
         }
         sc[nn][e] = x;
@@ -914,18 +845,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
     }
   };
-  if constexpr (kClaims) {
-    // Two tiles a step as below; a chunk's tile count is even, so a step never straddles two.
-    for (int tile = 0;; tile += 2) {
-      if (tile > 0 && tile % kClaimTiles == 0) next_chunk();
-      if (!has_tile(tile)) break;
-      tile_step(tile, k_even);
-      if (!has_tile(tile + 1)) break;
-      tile_step(tile + 1, k_odd);
-    }
-    // The last claim's answer is used, so the claim has completed before the CTA arrives.
-    if (claiming && lane == 0) *static_cast<volatile uint32_t*>(&claim_sink[warp]) = claim_pending;
-  } else if constexpr (kRegK) {
+  if constexpr (kRegK) {
     // Two tiles a step, so that the K registers alternate without copies.
     for (int tile = 0; tile < ntiles; tile += 2) {
       tile_step(tile, k_even);
@@ -1008,9 +928,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       store_scaled4<T>(out_row + (h0 + row) * os.head + d, acc, f);
     } else {
       const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
-      // L >= 1 where the split holds a key (its largest weight is 1). kClaims: a CTA may have
-      // found every chunk taken; its partial is then zero with a log-sum-exp of -inf (weight 0).
-      const float inv_l = kClaims && L == 0.f ? 0.f : 1.f / L;
+      const float inv_l = 1.f / L;  // L >= 1: the split holds a key, and its largest weight is 1
       *reinterpret_cast<float4*>(w.partial_out + slot * D + d) =
           make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
       if (d == 0) w.partial_lse[slot] = M + fast_log2(L);
@@ -1019,12 +937,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   if (w.cluster_merge) {
     if (active > 1) {
       cluster_merge_splits<T, D, Cfg::kThreads, kPlain>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
-      if (split == 0) reset_claims();  // after the cluster's second barrier: every claim is back
     } else {
       cluster_idle();
     }
   } else if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b), active)) {
-    reset_claims();
     arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
   decode_stamp(w, kDtExit);
@@ -1078,22 +994,9 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   constexpr int kAutoMaxArrivalSplits = 16;
   const bool auto_arrival = D == 128 && w.max_splits <= kAutoMaxArrivalSplits;
   if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 3 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
-  const int cluster = wk.cluster_merge ? w.max_splits : 1;
-  const bool merged = wk.cluster_merge != 0 || wk.arrivals != nullptr;
-  // Chunk claims (set_decode_claims) need a merge inside the launch: the merging CTA resets the
-  // counter. Same resources as kLoadTmaV, so the residency and cluster checks above hold.
-  if constexpr (kLoader == kLoadTmaV) {
-    if (w.claims != nullptr && merged) {
-      constexpr auto claiming = decode_mma_kernel<T, D, kLoadTmaVClaim, kPlain>;
-      ensure_smem<claiming>(smem, "decode_mma_kernel");
-      launch_kernel_clustered("decode_mma_kernel", claiming, grid, block, smem, stream, cluster, p, wk, fused ? 1 : 0,
-                              maps);
-      return true;
-    }
-  }
-  wk.claims = nullptr;
-  launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, cluster, p, wk, fused ? 1 : 0, maps);
-  return merged;
+  launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
+                          wk, fused ? 1 : 0, maps);
+  return wk.cluster_merge != 0 || wk.arrivals != nullptr;
 }
 
 // The kPlain kernel where the call uses none of the features it compiles out.

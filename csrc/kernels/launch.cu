@@ -26,7 +26,6 @@ std::atomic<int> g_decode_schedule{0};
 std::atomic<int> g_decode_features{0};
 std::atomic<int> g_decode_early_tiles{0};
 std::atomic<int> g_decode_l2_prefetch{0};
-std::atomic<int> g_decode_claims{0};
 std::atomic<unsigned long long*> g_decode_timeline{nullptr};
 std::atomic<int> g_decode_timeline_records{0};
 }
@@ -37,7 +36,6 @@ void set_decode_schedule(int schedule) { detail::g_decode_schedule.store(schedul
 void set_decode_features(int features) { detail::g_decode_features.store(features, std::memory_order_relaxed); }
 void set_decode_early_tiles(int early) { detail::g_decode_early_tiles.store(early, std::memory_order_relaxed); }
 void set_decode_l2_prefetch(int prefetch) { detail::g_decode_l2_prefetch.store(prefetch, std::memory_order_relaxed); }
-void set_decode_claims(int claims) { detail::g_decode_claims.store(claims, std::memory_order_relaxed); }
 #ifdef GQA_DECODE_TIMELINE
 bool decode_timeline_built() { return true; }
 #else
@@ -89,11 +87,8 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
     // stream has enough of them (decode_arrival.cuh).
     const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * decode_head_chunks(p.group_size);
-    if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots) {
+    if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots)
       w.arrivals = p.arrival_counters;
-      // The claim counters, for the decode kernel to use where it can (launch_decode_kernel).
-      if (detail::g_decode_claims.load(std::memory_order_relaxed) != 1) w.claims = p.claim_counters;
-    }
     const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
     w.longest_first = tc && (schedule == 2 || (schedule == 0 && plan.longest_first)) ? 1 : 0;
     w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;

@@ -51,12 +51,6 @@ void set_decode_early_tiles(int early);
 // (where the call's caches hold at most kL2PrefetchMaxBytes of K and V), 1 off, 2 always.
 void set_decode_l2_prefetch(int prefetch);
 
-// The decode splits with K in registers (kLoadTmaV) take their keys in chunks claimed from a
-// counter instead of fixed ranges (kLoadTmaVClaim, decode_mma.cuh). 0 auto (wherever that
-// loader runs with several splits that merge inside the launch, which resets the counters),
-// 1 off.
-void set_decode_claims(int claims);
-
 // Diagnostics (benchmarks/decode_timeline.py): the tensor-core decode kernel's per-CTA stamps
 // (decode_mma.cuh, DecodeTimelineField) into `records` ([count][16]), nullptr: off. Read when
 // a call is enqueued, as the switches are. The kernels stamp only in a build with

@@ -86,11 +86,6 @@ void set_decode_early_tiles(const std::string& early);
 // hold at most 8 MB of K and V), "off" or "on" (always). No-op in a CPU-only build.
 void set_decode_l2_prefetch(const std::string& prefetch);
 
-// Tests and benchmarks: whether the decode splits with K in registers take their keys in chunks
-// claimed at run time, "auto" (the default: wherever they merge inside the launch) or "off"
-// (fixed ranges). No-op in a CPU-only build.
-void set_decode_claims(const std::string& claims);
-
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

@@ -153,12 +153,6 @@ void set_decode_l2_prefetch(const std::string& prefetch) {
   set_switch(kPrefetch, prefetch, "decode L2 prefetch", GQA_CUDA_SWITCH(set_decode_l2_prefetch));
 }
 
-void set_decode_claims(const std::string& claims) {
-  // The index is the claims code of kernels/launch.h.
-  static const char* const kClaims[] = {"auto", "off"};
-  set_switch(kClaims, claims, "decode claims", GQA_CUDA_SWITCH(set_decode_claims));
-}
-
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),
@@ -191,8 +185,7 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 // The decode kernel's arrival counters (decode_arrival.cuh) sit after the error word in the same
-// allocation: kArrivalLanes lanes of kArrivalSlots counters, each followed by as many claim
-// counters (the chunk claims of kLoadTmaVClaim, decode_mma.cuh). Each stream takes the next free lane
+// allocation: kArrivalLanes lanes of kArrivalSlots counters. Each stream takes the next free lane
 // the first time it runs a call, and keeps it, and so does each graph capture (by its capture
 // id): two streams never share counters, and neither do a graph and the eager calls on the
 // stream it was captured on, nor two graphs. (Replaying one graph on two streams at once shares
@@ -231,7 +224,7 @@ uint32_t* device_word(int device, cudaStream_t stream) {
                 "device before capturing, as the usual warm-up does");
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     void* ptr = nullptr;
-    const size_t bytes = kWordBytes + sizeof(uint32_t) * kArrivalLanes * 2 * kArrivalSlots;
+    const size_t bytes = kWordBytes + sizeof(uint32_t) * kArrivalLanes * kArrivalSlots;
     check_cuda(cudaMalloc(&ptr, bytes), "cudaMalloc(error word)");
     check_cuda(cudaMemset(ptr, 0, bytes), "cudaMemset(error word)");
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(error word)");
@@ -255,7 +248,7 @@ uint32_t* arrival_lane(int device, cudaStream_t stream) {
     if (lane == kArrivalLanes) return nullptr;
     owners.push_back(LaneOwner{stream, capture_id});
   }
-  return g_words[device] + kWordBytes / sizeof(uint32_t) + lane * 2 * kArrivalSlots;
+  return g_words[device] + kWordBytes / sizeof(uint32_t) + lane * kArrivalSlots;
 }
 
 DeviceInfo device_info(int device) {
@@ -296,7 +289,6 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
   if (p.query_len == 1) {
     p.arrival_counters = arrival_lane(device, stream);
     p.arrival_slots = p.arrival_counters != nullptr ? kArrivalSlots : 0;
-    p.claim_counters = p.arrival_counters != nullptr ? p.arrival_counters + kArrivalSlots : nullptr;
   }
 
   Plan plan = make_plan(p, device_info(device));

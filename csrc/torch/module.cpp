@@ -57,10 +57,6 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: whether the tensor-core decode kernel asks L2 for its split's first keys and its "
         "query rows before it waits for the kernel before it, \"auto\" (the default: where the call's caches hold "
         "at most 8 MB of K and V), \"off\" or \"on\" (always).");
-  m.def("_set_decode_claims", &gqa::set_decode_claims, pybind11::arg("claims"),
-        "Tests and benchmarks: whether the decode splits with K in registers take their keys in chunks claimed "
-        "from a counter at run time, \"auto\" (the default: wherever the splits merge inside the launch) or "
-        "\"off\" (each split a fixed range).");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
