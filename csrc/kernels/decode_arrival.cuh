@@ -27,25 +27,31 @@ __device__ __forceinline__ uint32_t* arrival_counter(const Work& w, int row) {
   return w.arrivals + static_cast<int64_t>(row) * gridDim.y + blockIdx.y;
 }
 
-// A release-acquire fence at GPU scope. The counters pass messages (the partials), which needs
-// release and acquire only; __threadfence() is the sequentially consistent fence (MEMBAR.SC.GPU
-// in the SASS), which also orders every fenced thread against every other, and costs more.
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// The count, as one acquire-release atomic at GPU scope. The counters pass messages (the
+// partials), which needs release and acquire only; __threadfence() is the sequentially
+// consistent fence (MEMBAR.SC.GPU in the SASS), which also orders every fenced thread against
+// every other, and costs more. On sm90 this is MEMBAR.ALL.GPU (the release: it waits for the
+// CTA's partial stores), the atomic, and an L1 invalidation (the acquire), where a fence before
+// and another after a relaxed atomic put a second MEMBAR on the merging CTA's path.
+__device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t* counter, uint32_t value) {
+  uint32_t before;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(before) : "l"(counter), "r"(value) : "memory");
+  return before;
+}
 
 // Called by every thread of the CTA, after its partial stores. True in the one CTA of the slot
 // that arrived last; its later loads see every other split's partials.
 __device__ __forceinline__ bool arrive_last(uint32_t* counter, int active) {
   __shared__ int last_flag;
-  __syncthreads();  // the CTA's partial stores come before thread 0's fence (bar.sync orders them)
+  __syncthreads();  // the CTA's partial stores come before thread 0's count (bar.sync orders them)
   if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();  // release: the partials are visible GPU-wide before the count says so
-    const uint32_t before = atomicAdd(counter, 1u);
+    // Release: the partials are visible GPU-wide before the count says so. Acquire: the last
+    // CTA's reads see the other splits' partials, released before their counts.
+    const uint32_t before = atomic_add_acq_rel_gpu(counter, 1u);
     const bool last = before + 1u == static_cast<uint32_t>(active);
     if (last) {
-      fence_acq_rel_gpu();  // acquire: the other splits' partials, released before their counts
-      // The reset goes after the fence: a fence waits for this thread's earlier stores, and
-      // nothing in this launch reads the counter again (the next call does after its PDL wait,
-      // when this grid has finished). Before it, it cost the merge a memory round trip.
+      // Nothing in this launch reads the counter again (the next call does after its PDL wait,
+      // when this grid has finished).
       *counter = 0u;
     }
     last_flag = last ? 1 : 0;
