@@ -778,18 +778,19 @@ def _assert_each_matches_reference(outs, cases, befores):
 
 
 @pytest.mark.parametrize("batch,head_dim,merge", [(8, 128, "kernel"), (8, 128, "auto"), (1, 128, "auto"),
-                                                  (1, 64, "auto"), (1, 128, "cluster"), (1, 128, "arrival"),
-                                                  (1, 64, "arrival"), (8, 128, "arrival"), (1, 128, "kernel")])
+                                                  (1, 64, "auto"), (1, 256, "auto"), (1, 128, "cluster"),
+                                                  (1, 128, "arrival"), (1, 64, "arrival"), (8, 128, "arrival"),
+                                                  (1, 128, "kernel")])
 def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge):
     """32/8 heads, B = 8 in 2 splits and B = 1 in 16 (the H200 plan's counts, pinned). "kernel" runs the
     merge kernel after the decode kernel; "arrival" merges in the launch, by the last split to
     finish; "cluster" in a cluster where one can run (an sm90 GPU, a 9.0a build; else the merge
-    kernel); "auto" pairs of splits in a cluster where one can run, else at head size 128 by the
-    last split, and at head size 64 with the merge kernel."""
+    kernel); "auto" pairs of splits in a cluster where one can run, else at head sizes 64 and 128
+    by the last split, and at head size 256 with the merge kernel."""
     case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=head_dim, capacity=2048,
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
     in_launch = {"kernel": False, "arrival": True, "cluster": _cluster_merge_available(),
-                 "auto": (batch == 8 and _cluster_merge_available()) or head_dim == 128}[merge]
+                 "auto": (batch == 8 and _cluster_merge_available()) or head_dim in (64, 128)}[merge]
     with _decode_pinned(merge, 2 if batch == 8 else 16):
         names = _cuda_kernel_names(lambda: case.clone().run())
     if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting

@@ -986,13 +986,15 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   wk.cluster_merge = w.max_splits > 1 && (merge == 0 || merge == 2) && kBuiltSm90a && device_is_sm90() &&
                      (merge == 2 || (w.max_splits <= kAutoMaxCluster && all_resident)) &&
                      cluster_shape_runs<kernel>(w.max_splits, block, smem);
-  // Where no cluster merges, auto has the last split merge at head size 128 and up to 16
-  // splits: interleaved on an H200 (twenty-first round) it beat the merge kernel by 2-3% at B1
-  // L8192 and L32768 (16 splits) and tied at B1 L1024 and B8 L32768; at 14/2/64 (D = 64, 16
-  // and 66 splits) it lost 10% and 29%, and at 66 splits the last CTA's serial merge is 5 rounds
-  // of loads where the merge kernel spreads them over 14 CTAs.
+  // Where no cluster merges, auto has the last split merge at head sizes 64 and 128 and up to
+  // 16 splits: interleaved on an H200 (twenty-first round) it beat the merge kernel by 2-3% at
+  // B1 L8192 and L32768 (16 splits) and tied at B1 L1024 and B8 L32768. At 14/2/64 (D = 64) it
+  // lost 10% at 16 splits then; since the count is one acquire-release atomic (twenty-sixth
+  // round) it wins there, 4.57 against 4.87 us. At 66 splits it lost 29%, and still loses
+  // (11.7 against 10.3): the last CTA's serial merge is 5 rounds of loads where the merge
+  // kernel spreads them over 14 CTAs.
   constexpr int kAutoMaxArrivalSplits = 16;
-  const bool auto_arrival = D == 128 && w.max_splits <= kAutoMaxArrivalSplits;
+  const bool auto_arrival = (D == 64 || D == 128) && w.max_splits <= kAutoMaxArrivalSplits;
   if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 3 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
   launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
                           wk, fused ? 1 : 0, maps);
