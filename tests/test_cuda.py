@@ -374,6 +374,16 @@ def test_cuda_prefill_route_same_bits(dtype, seq, feature, route, d, other_route
     _assert_same_bits_under_routes((route, other_route), q, make_caches, call)
 
 
+def _call_with_timeline(setter, records, call):
+    """`call()` with a kernel timeline (`setter`, one of the `_C._set_*_timeline`) stamping
+    `records`, switched off again whatever happens."""
+    setter(records)
+    try:
+        return call()
+    finally:
+        setter(None)
+
+
 @pytest.mark.parametrize("head_dim,seq", [(64, 1024), (128, 1024), (128, 2048), (256, 1024)])
 def test_cuda_prefill_timeline(head_dim, seq):
     """The diagnostic per-block timeline (`_C._set_prefill_timeline`, benchmarks/block_timeline.py)
@@ -397,11 +407,7 @@ def test_cuda_prefill_timeline(head_dim, seq):
                                                 kv_num_heads=kv_heads)
 
     plain = call()
-    gqa_torch._C._set_prefill_timeline(records)
-    try:
-        stamped = call()
-    finally:
-        gqa_torch._C._set_prefill_timeline(None)
+    stamped = _call_with_timeline(gqa_torch._C._set_prefill_timeline, records, call)
     torch.cuda.synchronize()
     assert bits_equal(stamped, plain), "the stamps changed the output"
     rows = records.cpu()
@@ -457,11 +463,7 @@ def test_cuda_decode_timeline_only_in_its_build():
         torch.cuda.synchronize()
         assert int(records.abs().sum()) == 0, "a refused buffer was written"
         return
-    gqa_torch._C._set_decode_timeline(records)
-    try:
-        stamped = call()
-    finally:
-        gqa_torch._C._set_decode_timeline(None)
+    stamped = _call_with_timeline(gqa_torch._C._set_decode_timeline, records, call)
     torch.cuda.synchronize()
     assert bits_equal(stamped, plain), "the stamps changed the output"
     r = records[records[:, 7] != 0].cpu()  # exit_ns: the CTAs that computed
