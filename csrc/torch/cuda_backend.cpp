@@ -99,16 +99,18 @@ void set_prefill_timeline(const std::optional<at::Tensor>& records) {
 }
 
 void set_decode_timeline(const std::optional<at::Tensor>& records) {
-  set_timeline(records, "decode timeline", 16, GQA_CUDA_SWITCH(set_decode_timeline));  // kDecodeTimelineFields
+  void (*setter)(unsigned long long*, int) = GQA_CUDA_SWITCH(set_decode_timeline);
 #ifdef GQA_WITH_CUDA
-  // After the buffer's checks, so that every build checks it the same way. The stamps cost the
-  // kernel's short path even when off, so the default build has none (decode_mma.cuh).
-  if (records.has_value() && !cuda::decode_timeline_built()) {
-    cuda::set_decode_timeline(nullptr, 0);
-    TORCH_CHECK_VALUE(false, "gqa: decode timeline: this build has no decode stamps; rebuild with "
-                             "GQA_DECODE_TIMELINE=1 in the environment (benchmarks/decode_timeline.py)");
-  }
+  // The stamps cost the kernel's short path even when off, so the default build has none
+  // (decode_mma.cuh): there a buffer is refused, after the same checks as in every build.
+  const bool refused = records.has_value() && !cuda::decode_timeline_built();
+  if (refused) setter = nullptr;
+#else
+  const bool refused = false;
 #endif
+  set_timeline(records, "decode timeline", 16, setter);  // kDecodeTimelineFields
+  TORCH_CHECK_VALUE(!refused, "gqa: decode timeline: this build has no decode stamps; rebuild with "
+                              "GQA_DECODE_TIMELINE=1 in the environment (benchmarks/decode_timeline.py)");
 }
 
 void set_prefill_append(const std::string& append) {
