@@ -39,6 +39,8 @@ FEATURE_COLUMNS = ["general"]
 EARLY_COLUMNS = ["off"]
 # The L2 prefetch before the PDL wait off and on (auto: on where the caches hold <= 8 MB of K/V).
 L2_COLUMNS = ["off", "on"]
+# How much L2 fetches around each K/V read of every loader, pinned (auto: 128 bytes).
+FETCH_COLUMNS = ["sectors", "128B", "256B"]
 
 
 def pinned(step, switch, value):
@@ -110,7 +112,8 @@ def decode_table(args):
                                        (gqa_torch._C._set_decode_schedule, SCHEDULE_COLUMNS, "schedule_"),
                                        (gqa_torch._C._set_decode_features, FEATURE_COLUMNS, "features_"),
                                        (gqa_torch._C._set_decode_early_tiles, EARLY_COLUMNS, "early_"),
-                                       (gqa_torch._C._set_decode_l2_prefetch, L2_COLUMNS, "l2_")):
+                                       (gqa_torch._C._set_decode_l2_prefetch, L2_COLUMNS, "l2_"),
+                                       (gqa_torch._C._set_decode_l2_fetch, FETCH_COLUMNS, "fetch_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
         times = time_graphs_interleaved(steps, n)
@@ -165,10 +168,12 @@ def ragged_table():
                  "flash_full": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}
         for value in SCHEDULE_COLUMNS:
             steps["schedule_" + value] = pinned(ours, gqa_torch._C._set_decode_schedule, value)
+        for value in FETCH_COLUMNS:
+            steps["fetch_" + value] = pinned(ours, gqa_torch._C._set_decode_l2_fetch, value)
         head = time_graphs_interleaved(steps, n)
         t_ours, t_cudnn_mask, t_eff_mask, t_flash_full = (head["ours"], head["cudnn_mask"], head["eff_mask"],
                                                           head["flash_full"])
-        t_schedules = {k: v for k, v in head.items() if k.startswith("schedule_")}
+        t_schedules = {k: v for k, v in head.items() if k.startswith(("schedule_", "fetch_"))}
         masked = min(t for t in (t_cudnn_mask, t_eff_mask, t_flash_full) if t == t)
         row = dict(B=b, capacity=capacity, mean_len=float(lengths.float().mean()), valid_MB=valid_bytes / 1e6,
                    ours_us=t_ours, **{f"{k}_us": t for k, t in t_schedules.items()},
@@ -254,8 +259,8 @@ def main():
         rows = decode_table(args)
         cols = ["B", "heads", "L", "kv_MB", "ours_us", *[f"{k}_us" for k in LOADER_COLUMNS], *[f"merge_{k}_us" for k in MERGE_COLUMNS],
                 *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], *[f"features_{k}_us" for k in FEATURE_COLUMNS],
-                *[f"early_{k}_us" for k in EARLY_COLUMNS], *[f"l2_{k}_us" for k in L2_COLUMNS], "sdpa_flash_us",
-                "sdpa_cudnn_us", "flex_us",
+                *[f"early_{k}_us" for k in EARLY_COLUMNS], *[f"l2_{k}_us" for k in L2_COLUMNS],
+                *[f"fetch_{k}_us" for k in FETCH_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
                 "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],
@@ -264,6 +269,7 @@ def main():
     if args.only is None or "ragged" in args.only:
         rows = ragged_table()
         cols = ["B", "capacity", "mean_len", "valid_MB", "ours_us", *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS],
+                *[f"fetch_{k}_us" for k in FETCH_COLUMNS],
                 "sdpa_cudnn_mask_us", "sdpa_efficient_mask_us",
                 "sdpa_flash_full_capacity_us", "speedup_vs_best", "capacity_over_mean", "floor_us", "pct_of_4_8TBps"]
         out.append(write_tables("decode_ragged", meta, rows, cols, "Ragged decode"))

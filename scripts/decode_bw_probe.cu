@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #define CK(x)                                                                               \
@@ -338,6 +340,126 @@ __global__ void __launch_bounds__(128) k_mixed(const uint4* K, const __grid_cons
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+// (1g) The landed regs_k loader's K pattern without compute: lane (l & 3) of key row l >> 2
+// loads 16-byte units u * 32 + (l & 3) * 8 of its key (u < 4), for keys l >> 2 and 8 + (l >> 2)
+// of the warp's 16, so one warp instruction reads 64 bytes of each of 8 keys; V by TMA slices.
+// kFetch: the L2 prefetch size the K loads ask for (0 none, else 128 or 256 bytes).
+template <int kFetch>
+__device__ __forceinline__ uint4 ld_k(const uint4* p) {
+  uint4 v;
+  if constexpr (kFetch == 256) {
+    asm volatile("ld.global.cs.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  } else if constexpr (kFetch == 128) {
+    asm volatile("ld.global.cs.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  } else {
+    v = __ldcs(p);
+  }
+  return v;
+}
+template <int kStages, int kFetch>
+__global__ void __launch_bounds__(128) k_regsk(const uint4* K, const __grid_constant__ CUtensorMap mv, int S, int H,
+                                              int chunk, unsigned* sink) {
+  extern __shared__ uint8_t sm_raw[];
+  uint8_t* sm = sm_raw + ((1024u - (smem_u32(sm_raw) & 1023u)) & 1023u);
+  __shared__ __align__(8) uint64_t bars[4 * kStages];
+  constexpr int kSlice = 16 * kD * 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int k0 = blockIdx.x * chunk;
+  const int ntiles = chunk / 64;
+  const uint32_t bar0 = smem_u32(&bars[warp * kStages]);
+  uint8_t* mine = sm + warp * kStages * kSlice;
+  // This lane's first unit: key (lane >> 2) of the warp's 16, column block (lane & 3).
+  const uint4* kb = K + ((static_cast<size_t>(b) * H + h) * S + k0 + warp * 16 + (lane >> 2)) * (kD / 8) + (lane & 3);
+  if (lane == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(bar0 + 8 * s, 1);
+  }
+  __syncwarp();
+  proxy_fence();
+  auto issue = [&](int t) {
+    const int st = t % kStages;
+    const uint32_t bar = bar0 + 8 * st;
+    mbar_expect(bar, kSlice);
+    const uint32_t dst = smem_u32(mine + st * kSlice);
+    for (int cb = 0; cb < kD / 64; ++cb) tma4<false>(dst + cb * 2048, &mv, cb * 64, k0 + t * 64 + warp * 16, h, b, bar, 0);
+  };
+  auto load = [&](int t, uint4 (&r)[8]) {
+    const uint4* kt = kb + static_cast<size_t>(t) * 64 * (kD / 8);
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) r[grp * 4 + u] = ld_k<kFetch>(kt + grp * 8 * (kD / 8) + u * 4);
+    }
+  };
+  if (lane == 0) {
+    for (int t = 0; t < kStages - 1 && t < ntiles; ++t) issue(t);
+  }
+  uint4 cur[8], nxt[8];
+  load(0, cur);
+  unsigned acc = 0;
+  for (int t = 0; t < ntiles; ++t) {
+    if (t + 1 < ntiles) load(t + 1, nxt);
+    const int nt = t + kStages - 1;
+    __syncwarp();
+    proxy_fence();
+    if (lane == 0 && nt < ntiles) issue(nt);
+    const int st = t % kStages;
+    mbar_wait(bar0 + 8 * st, (t / kStages) & 1);
+    acc += reinterpret_cast<const unsigned*>(mine + st * kSlice)[lane];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      acc ^= cur[u].x ^ cur[u].z;
+      cur[u] = nxt[u];
+    }
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// (1h) k_cp_async with an L2 prefetch size on every copy (kFetch 128 or 256 bytes).
+template <int kStages, int kFetch>
+__global__ void __launch_bounds__(128) k_cp_async_fetch(const uint16_t* K, const uint16_t* V, int S, int H, int chunk,
+                                                       unsigned* sink) {
+  extern __shared__ uint8_t sm_raw[];
+  constexpr int kStride = kD + 8;
+  uint16_t* sm = reinterpret_cast<uint16_t*>(sm_raw);
+  const int tid = threadIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int k0 = blockIdx.x * chunk, k1 = min(S, k0 + chunk);
+  const int ntiles = (k1 - k0 + 63) / 64;
+  const size_t head = (static_cast<size_t>(b) * H + h) * S * kD;
+  const int c = tid % 16, r0 = tid / 16;
+  auto load = [&](int t, int st) {
+    uint16_t* ks = sm + st * 2 * 64 * kStride;
+    for (int pass = 0; pass < 8; ++pass) {
+      const int r = r0 + pass * 8;
+      const size_t g = head + static_cast<size_t>(k0 + t * 64 + r) * kD + c * 8;
+      const uint32_t dk = smem_u32(ks + r * kStride + c * 8), dv = smem_u32(ks + (64 + r) * kStride + c * 8);
+      if constexpr (kFetch == 256) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
+      } else {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
+      }
+    }
+  };
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ntiles) load(s, s);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  unsigned acc = 0;
+  for (int t = 0; t < ntiles; ++t) {
+    __syncthreads();
+    const int nt = t + kStages - 1;
+    if (nt < ntiles) load(nt, nt % kStages);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");
+    __syncthreads();
+    acc += reinterpret_cast<const unsigned*>(sm + (t % kStages) * 2 * 64 * kStride)[tid];
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 __global__ void k_fill(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     uint32_t x = static_cast<uint32_t>(i) * 2654435761u + seed;
@@ -403,6 +525,9 @@ static EncodeFn get_encoder() {
   return reinterpret_cast<EncodeFn>(fn);
 }
 
+// The L2 promotion of the 4-D maps (the `promotion` section varies it).
+static CUtensorMapL2promotion g_map_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+
 // 4-D map [B][H][S][D] in boxes of 64 columns x box_keys keys, 128-byte swizzled.
 static CUtensorMap map4(EncodeFn enc, void* base, const Bufs& m, int box_keys) {
   CUtensorMap t;
@@ -410,7 +535,7 @@ static CUtensorMap map4(EncodeFn enc, void* base, const Bufs& m, int box_keys) {
   const cuuint64_t str[3] = {kD * 2ull, (cuuint64_t)m.S * kD * 2, (cuuint64_t)m.H * m.S * kD * 2};
   const cuuint32_t box[4] = {64, (cuuint32_t)box_keys, 1, 1}, unit[4] = {1, 1, 1, 1};
   if (enc(&t, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, base, dims, str, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+          CU_TENSOR_MAP_SWIZZLE_128B, g_map_promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
     std::printf("map4 encode failed\n");
     std::exit(1);
   }
@@ -520,6 +645,29 @@ static void run_mixed(const char* name, EncodeFn enc, const Bufs& m, int rows, i
   report(name, m, rows, chunk, ms, occupancy(k, 128, smem));
 }
 
+template <int kStages, int kFetch>
+static void run_regsk(const char* name, EncodeFn enc, const Bufs& m, int rows, int chunk, cudaStream_t st, unsigned* sink) {
+  const CUtensorMap mv = map4(enc, m.V, m, 16);
+  const size_t smem = 1024 + (size_t)4 * kStages * 16 * kD * 2;
+  auto k = k_regsk<kStages, kFetch>;
+  set_smem(k, smem);
+  const dim3 grid(m.S / chunk, m.H, rows);
+  const float ms = time_ms(st, 5, [&] {
+    k<<<grid, 128, smem, st>>>(reinterpret_cast<const uint4*>(m.K), mv, m.S, m.H, chunk, sink);
+  });
+  report(name, m, rows, chunk, ms, occupancy(k, 128, smem));
+}
+
+template <int kStages, int kFetch>
+static void run_cp_fetch(const char* name, const Bufs& m, int rows, int chunk, cudaStream_t st, unsigned* sink) {
+  const size_t smem = (size_t)kStages * 2 * 64 * (kD + 8) * 2;
+  auto k = k_cp_async_fetch<kStages, kFetch>;
+  set_smem(k, smem);
+  const dim3 grid(m.S / chunk, m.H, rows);
+  const float ms = time_ms(st, 5, [&] { k<<<grid, 128, smem, st>>>(m.K, m.V, m.S, m.H, chunk, sink); });
+  report(name, m, rows, chunk, ms, occupancy(k, 128, smem));
+}
+
 // Per-node cost of a graph of `n` launches (alternating two kernels when `alt`).
 static void graph_probe(const char* name, cudaStream_t st, int n, dim3 g1, size_t s1, dim3 g2, size_t s2, bool alt,
                         bool pdl, unsigned* buf) {
@@ -555,6 +703,9 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&sink, 1 << 20));
   CK(cudaMemset(sink, 0, 1 << 20));
 
+  // `promotion`: only the L2 prefetch-size comparison (twenty-seventh round), twice over.
+  const bool promotion_only = argc > 1 && std::string(argv[1]) == "promotion";
+  if (!promotion_only) {
   // (2) launch chain first (needs no big buffers).
   std::printf("== graph node cost (64 nodes, 20 replays, median) ==\n");
   const size_t big = 100 * 1024;
@@ -570,6 +721,7 @@ int main(int argc, char** argv) {
   }
   CK(cudaFuncSetAttribute(k_touch, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   graph_probe("alternating, carveout pinned to max shared, pdl=1", st, 64, dim3(128), big, dim3(32), 0, true, true, sink);
+  }
 
   // (1) streaming.
   Bufs m{nullptr, nullptr, 64, 8, 32768, 0};
@@ -580,6 +732,32 @@ int main(int argc, char** argv) {
   k_fill<<<132 * 8, 256, 0, st>>>(reinterpret_cast<uint32_t*>(m.V), m.bytes_each / 4, 2u);
   CK(cudaStreamSynchronize(st));
   const EncodeFn enc = get_encoder();
+  if (promotion_only) {
+    std::printf("== L2 prefetch size of the K/V reads, [B][8][32768][128] bf16, nothing computed ==\n");
+    const CUtensorMapL2promotion promos[3] = {CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                              CU_TENSOR_MAP_L2_PROMOTION_NONE};
+    const char* promo_names[3] = {"256B", "128B", "none"};
+    for (int round = 0; round < 2; ++round) {
+      for (const auto& rc : {std::pair<int, int>{64, 8192}, {8, 16384}, {8, 4096}}) {
+        const int rows = rc.first, chunk = rc.second;
+        for (int pi = 0; pi < 3; ++pi) {
+          g_map_promotion = promos[pi];
+          char nm[96];
+          std::snprintf(nm, sizeof nm, "tma slices, maps %s", promo_names[pi]);
+          run_slices<3, 16, 4, false>(nm, enc, m, rows, chunk, st, sink, 0);
+          std::snprintf(nm, sizeof nm, "regs_k K sectors, V map %s", promo_names[pi]);
+          run_regsk<5, 0>(nm, enc, m, rows, chunk, st, sink);
+          std::snprintf(nm, sizeof nm, "regs_k K L2::128B, V map %s", promo_names[pi]);
+          run_regsk<5, 128>(nm, enc, m, rows, chunk, st, sink);
+        }
+        g_map_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+        run_cp<3>("cp.async 3 st, sectors", m, rows, chunk, st, sink);
+        run_cp_fetch<3, 128>("cp.async 3 st, L2::128B", m, rows, chunk, st, sink);
+      }
+    }
+    CK(cudaDeviceSynchronize());
+    return 0;
+  }
   std::printf("== streaming [B][8][32768][128] bf16 K and V, nothing computed ==\n");
   for (int rows : {64, 8}) {
     for (int chunk : {32768, 4096, 1024}) {

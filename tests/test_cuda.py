@@ -633,9 +633,9 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
 @pytest.fixture(params=["cp_async", "tma", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
-    9.0a build "regs_k" or TMA, and cp.async with one CTA an SM at head size 64, and at 128 with
-    short splits), so that every loader stays tested there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and
-    128; elsewhere it runs as auto."""
+    9.0a build TMA at head sizes 128 and 256, and at 64 "regs_k" where many CTAs stream long
+    splits, else cp.async), so that every loader stays tested there. "regs_k" (K into registers,
+    V by TMA) exists at head sizes 64 and 128; elsewhere it runs as auto."""
     if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
     if request.param != "cp_async" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
@@ -1008,6 +1008,20 @@ def test_cuda_decode_l2_prefetch_switch(head_dim, prefetch):
         _check_bad_row_on_tensor_cores("bf16", head_dim)
     finally:
         gqa_torch._C._set_decode_l2_prefetch("auto")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("fetch", ["sectors", "128B", "256B"])
+def test_cuda_decode_l2_fetch_switch(head_dim, fetch, decode_loader):
+    """How much L2 fetches around each of the decode kernel's K/V reads (the cp.async copies',
+    regs_k's K loads' and the TMA maps'), pinned, under each loader: ragged rows in place and
+    functional, in both cache layouts, with three feature sets, then the bad-row checks."""
+    gqa_torch._C._set_decode_l2_fetch(fetch)
+    try:
+        _check_ragged_rows_three_features(head_dim)
+        _check_bad_row_on_tensor_cores("bf16", head_dim)
+    finally:
+        gqa_torch._C._set_decode_l2_fetch("auto")
 
 
 def _check_append_then_read_in_one_graph(head_dim):

@@ -624,6 +624,7 @@ def test_tuning_switches_name_what_they_expect():
         (gqa_torch._C._set_decode_features, "decode features", "auto, general", "plain", "general"),
         (gqa_torch._C._set_decode_early_tiles, "decode early tiles", "auto, off", "late", "off"),
         (gqa_torch._C._set_decode_l2_prefetch, "decode L2 prefetch", "auto, off, on", "evict_last", "on"),
+        (gqa_torch._C._set_decode_l2_fetch, "decode L2 fetch", "auto, sectors, 128B, 256B", "64B", "128B"),
         (gqa_torch._C._set_prefill_append, "prefill append", "auto, prep", "kernel", "prep"),
         (gqa_torch._C._set_prefill_q_loader, "prefill Q loader", "auto, cp_async", "tma", "cp_async"),
     ]

@@ -50,6 +50,10 @@ struct Work {
   // Decode on tensor cores: before the PDL wait, each CTA asks L2 for its split's first keys
   // and its query rows (decode_mma.cuh); 0: it does not.
   int32_t l2_prefetch = 0;
+  // Decode on tensor cores: the K/V reads by cp.async and by plain loads (regs_k's K) ask L2 to
+  // fetch the whole aligned block of kL2Fetch128 (.L2::128B) or kL2Fetch256 (.L2::256B) bytes
+  // around each from memory; kL2FetchSectors: only the sectors asked for.
+  int32_t l2_fetch = 0;
   // Diagnostics (set_decode_timeline): each tensor-core decode CTA that computes writes a
   // record of kDecodeTimelineFields stamps here (decode_mma.cuh, DecodeTimelineField), the
   // record of its linear block index if that is below timeline_records; null: none.
@@ -534,11 +538,36 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(a));
 }
 
+// How much L2 fetches from memory around a global read (Work::l2_fetch): the sectors asked
+// for, or the aligned 128- or 256-byte block.
+enum L2Fetch : int { kL2FetchSectors = 0, kL2Fetch128 = 1, kL2Fetch256 = 2 };
+
 // 16-byte global->shared copy; when !pred the destination is zero-filled and nothing is read.
+template <int kFetch = kL2FetchSectors>
 __device__ __forceinline__ void cp_async16(void* smem_ptr, const void* gmem_ptr, bool pred) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
   const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
+  if constexpr (kFetch == kL2Fetch128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
+  } else if constexpr (kFetch == kL2Fetch256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
+  }
+}
+// A streamed 16-byte global load (ld.global.cs, as __ldcs), kFetch as cp_async16's. The asm is
+// not volatile, as __ldcs is not: the compiler may schedule it like any load.
+template <int kFetch>
+__device__ __forceinline__ uint4 ld_stream16(const uint4* src) {
+  uint4 v;
+  if constexpr (kFetch == kL2Fetch128) {
+    asm("ld.global.cs.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
+  } else if constexpr (kFetch == kL2Fetch256) {
+    asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
+  } else {
+    v = __ldcs(src);
+  }
+  return v;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -29,16 +29,19 @@
 #include "decode_schedule.cuh"
 #include "tma.cuh"
 
+#include <type_traits>
+
 namespace gqa {
 namespace cuda {
 namespace detail {
 
 // The loaders (set_decode_loader, launch.h, picks one): the CTA copies whole tiles by cp.async;
 // each warp's lane 0 loads its 16 keys of K and V by TMA; or (kLoadTmaV) V by TMA and K by
-// plain 16-byte loads straight into the mma B fragments. On an H200 a stream staged through
-// shared memory (TMA or cp.async, at any depth, box shape or CTA count) tops out near 4.3 TB/s,
-// plain loads with enough warps near 4.55, and K by loads with V by TMA reached 4.5-4.58 with
-// the decode grid's CTAs and nothing computed (scripts/decode_bw_probe.cu).
+// plain 16-byte loads straight into the mma B fragments. On an H200, with the decode grid's CTAs
+// and nothing computed (scripts/decode_bw_probe.cu), TMA slices and K by loads with V by TMA
+// both stream 4.5-4.58 TB/s when L2 fetches 128 bytes around each read (Work::l2_fetch; TMA
+// stopped near 4.3 with the 256-byte promotion it had until the twenty-seventh round), and
+// cp.async 4.33.
 enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2 };
 
 // Four warps and 64-key stages (two warps and 32-key stages for D = 256). A variant with two
@@ -386,24 +389,39 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int64_t pass_step = static_cast<int64_t>(kRowsPerPass) * cs.token;
   const T* kcol = kbase + my_chunk * 8;
   const T* vcol = vbase + my_chunk * 8;
+  // Work::l2_fetch: how much L2 fetches around each cp.async copy and regs_k K load (the branch
+  // is uniform; each side is the same loop with the one instruction changed). Calls `body` with
+  // the fetch as a compile-time constant.
+  const int l2_fetch = w.l2_fetch;
+  auto with_l2_fetch = [&](auto body) {
+    if (l2_fetch == kL2Fetch128) {
+      body(std::integral_constant<int, kL2Fetch128>{});
+    } else if (l2_fetch == kL2Fetch256) {
+      body(std::integral_constant<int, kL2Fetch256>{});
+    } else {
+      body(std::integral_constant<int, kL2FetchSectors>{});
+    }
+  };
   auto load_tile = [&](int tile, int stage) {
     if (my_row >= kRowsPerPass) return;
-    T* ks = kv_s + stage * 2 * kTile * kStride + my_row * kStride + my_chunk * 8;
-    T* vs = ks + kTile * kStride;
-    int j = k0 + tile * kTile + my_row;
-    int64_t off = static_cast<int64_t>(j) * cs.token;
+    with_l2_fetch([&](auto fetch) {
+      T* ks = kv_s + stage * 2 * kTile * kStride + my_row * kStride + my_chunk * 8;
+      T* vs = ks + kTile * kStride;
+      int j = k0 + tile * kTile + my_row;
+      int64_t off = static_cast<int64_t>(j) * cs.token;
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      if (pass * kRowsPerPass + my_row < kTile) {
-        const bool ok = j < k1;  // rows past the split's end are zero-filled, never read
-        cp_async16(ks, kcol + (ok ? off : 0), ok);
-        cp_async16(vs, vcol + (ok ? off : 0), ok);
+      for (int pass = 0; pass < kPasses; ++pass) {
+        if (pass * kRowsPerPass + my_row < kTile) {
+          const bool ok = j < k1;  // rows past the split's end are zero-filled, never read
+          cp_async16<decltype(fetch)::value>(ks, kcol + (ok ? off : 0), ok);
+          cp_async16<decltype(fetch)::value>(vs, vcol + (ok ? off : 0), ok);
+        }
+        ks += kRowsPerPass * kStride;
+        vs += kRowsPerPass * kStride;
+        j += kRowsPerPass;
+        off += pass_step;
       }
-      ks += kRowsPerPass * kStride;
-      vs += kRowsPerPass * kStride;
-      j += kRowsPerPass;
-      off += pass_step;
-    }
+    });
   };
 
   // kTma: lane 0 of each warp loads its 16 keys of K and V, D / 64 boxes each (rows past the
@@ -447,14 +465,17 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const T* k_lane = kbase + (lane & 3) * 8;
   auto load_k = [&](int tile, uint4 (&kr)[2][kKU]) {
     const int key0 = k0 + tile * kTile + kw + (lane >> 2);
+    with_l2_fetch([&](auto fetch) {
 #pragma unroll
-    for (int grp = 0; grp < 2; ++grp) {
-      const int key = key0 + grp * 8;
-      const bool ok = key < k1;
-      const uint4* src = reinterpret_cast<const uint4*>(k_lane + static_cast<int64_t>(ok ? key : k0) * cs.token);
+      for (int grp = 0; grp < 2; ++grp) {
+        const int key = key0 + grp * 8;
+        const bool ok = key < k1;
+        const uint4* src = reinterpret_cast<const uint4*>(k_lane + static_cast<int64_t>(ok ? key : k0) * cs.token);
 #pragma unroll
-      for (int u = 0; u < kKU; ++u) kr[grp][u] = ok ? __ldcs(src + u * 4) : make_uint4(0u, 0u, 0u, 0u);
-    }
+        for (int u = 0; u < kKU; ++u)
+          kr[grp][u] = ok ? ld_stream16<decltype(fetch)::value>(src + u * 4) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    });
   };
 
   // The split's first kStages - 1 tiles.
@@ -947,11 +968,11 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   decode_stamp(w, kDtExitNs);
 }
 
-// set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: K by plain loads
-// and V by TMA at head sizes 64 and 128 with more CTAs than SMs and 2,048 keys of capacity a
-// split or more; else TMA for both at 256, and at 128 unless one CTA an SM streams splits of
-// 2,048 keys or more; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain loads
-// into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
+// set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
+// head sizes 128 and 256; at 64, K by plain loads and V by TMA with more CTAs than SMs and 2,048
+// keys of capacity a split or more; cp.async elsewhere), 1 cp.async always, 2 TMA where it can
+// run, 3 K by plain loads into registers and V by TMA where it can run (head sizes 64 and 128),
+// else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
 // a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
@@ -960,6 +981,9 @@ extern std::atomic<int> g_decode_merge;
 // set_decode_features (launch.cu): 0 auto (the kPlain kernel for calls that use no feature it
 // compiles out), 1 the general kernel always.
 extern std::atomic<int> g_decode_features;
+// set_decode_l2_fetch (launch.cu): 0 auto (128 bytes), 1 the sectors, 2 128 bytes, 3 256 bytes (the
+// kernel's own reads take it through Work::l2_fetch; the TMA maps' promotion is read here).
+extern std::atomic<int> g_decode_l2_fetch;
 
 // Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
 // or the last CTA of each to arrive); otherwise, with several splits, the caller runs the merge
@@ -1015,29 +1039,41 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
   bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
+  // The maps' L2 promotion (set_decode_l2_fetch), auto's 128 bytes, as the kernel's own reads
+  // (Work::l2_fetch). On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode
+  // grid streaming 8.6 GB with nothing computed) 256-byte promotion held the TMA slices to
+  // 4.28-4.31 TB/s where 128 bytes or none read 4.53-4.55, and regs_k's K loads asking for 256
+  // bytes fell from 4.5 to 4.2; cp.async asking for 128 bytes rose from 4.20 to 4.33.
+  const int fetch = g_decode_l2_fetch.load(std::memory_order_relaxed);
+  const CUtensorMapL2promotion promotion = fetch == 1   ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                           : fetch == 3 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                                                        : CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
-  if (tma) tma = encode_cache_map(&maps.k, p.key_cache, p, 16) && encode_cache_map(&maps.v, p.value_cache, p, 16);
+  if (tma)
+    tma = encode_cache_map(&maps.k, p.key_cache, p, 16, promotion) &&
+          encode_cache_map(&maps.v, p.value_cache, p, 16, promotion);
   const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * decode_head_chunks(p.group_size) * p.batch;
   const bool many_ctas = ctas >= static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
   const bool long_ranges = p.capacity / w.max_splits >= 2048;
   if constexpr (D == 64 || D == 128) {
-    // Auto takes K into registers where more CTAs than SMs stream long key ranges (their K loads
-    // in flight add up; with one CTA an SM the TMA loader keeps more bytes in flight, and short
-    // ranges favour it too). Eleventh H200 round, three runs each: B64 L1024 (1,024 keys a CTA)
-    // read 73.0 us with TMA against 76.0 with K in registers; B16 64/8 L8192 (256 CTAs of 4,096
-    // keys) 133 with K in registers against 137.
-    if (tma && (pinned == 3 || (pinned == 0 && many_ctas && long_ranges)))
+    // Auto takes K into registers at D = 64 where more CTAs than SMs stream long key ranges
+    // (their K loads in flight add up; with one CTA an SM the TMA loader keeps more bytes in
+    // flight, and short ranges favour it too). It did at D = 128 too while the TMA maps promoted
+    // 256 bytes (eleventh H200 round: B16 64/8 L8192, 256 CTAs of 4,096 keys, 133 us with K in
+    // registers against 137); with 128 (twenty-seventh round, call 3, interleaved, TMA / K in
+    // registers) TMA ties or wins on every such row: B64 L8192 470 / 476, B64 L32768 1860 / 1860,
+    // B8 L32768 241 / 244, B16 124 / 126.
+    if (tma && (pinned == 3 || (pinned == 0 && D == 64 && many_ctas && long_ranges)))
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
-  // With one CTA an SM, auto takes cp.async at D = 64, and at D = 128 where the splits are long
-  // (2,048 keys of capacity each or more). Eleventh H200 round, three runs: TMA read 6% slower on
-  // both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5 against 13.3). At D = 128 the
-  // choice turned over with the kPlain build and the early tiles (twenty-fourth round, calls 2
-  // and 3, interleaved, cp.async / TMA): short splits now favour TMA, whose first tiles one
-  // lane issues (B1 L8192 14.1 / 13.7 and 13.7 / 13.2, B8 L1024 13.5 / 13.1 and 13.2 / 12.7,
-  // B1 L1024 level), and long ones cp.async (B8 L8192 69.3 / 72.0 and 69.6 / 71.3, B1 L32768
-  // 38.6 / 39.1 and 38.3 / 38.4). Before them it was the other way round (twenty-first round).
-  const bool auto_tma = D == 256 || (D == 128 && (many_ctas || !long_ranges));
+  // With one CTA an SM, auto takes cp.async at D = 64. Eleventh H200 round, three runs: TMA read
+  // 6% slower on both 14/2/64 rows (B1 L1024 6.16 against 6.55 us, L32768 12.5 against 13.3;
+  // twenty-seventh round, call 3: 4.75 against 4.57, and 11.0 against 10.9). At D = 128 auto
+  // takes TMA everywhere: with the maps promoting 128 bytes it beat cp.async where cp.async had
+  // won, on long splits with one CTA an SM (twenty-seventh round, call 3, interleaved, TMA /
+  // cp.async: B8 L8192 64.9 / 69.2, B1 L32768 35.0 / 36.7); short splits already favoured it
+  // (twenty-fourth round).
+  const bool auto_tma = D == 256 || D == 128;
   if constexpr (D % 64 == 0) {
     if (tma && (pinned == 2 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }

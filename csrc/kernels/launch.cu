@@ -26,6 +26,7 @@ std::atomic<int> g_decode_schedule{0};
 std::atomic<int> g_decode_features{0};
 std::atomic<int> g_decode_early_tiles{0};
 std::atomic<int> g_decode_l2_prefetch{0};
+std::atomic<int> g_decode_l2_fetch{0};
 std::atomic<unsigned long long*> g_decode_timeline{nullptr};
 std::atomic<int> g_decode_timeline_records{0};
 }
@@ -36,6 +37,7 @@ void set_decode_schedule(int schedule) { detail::g_decode_schedule.store(schedul
 void set_decode_features(int features) { detail::g_decode_features.store(features, std::memory_order_relaxed); }
 void set_decode_early_tiles(int early) { detail::g_decode_early_tiles.store(early, std::memory_order_relaxed); }
 void set_decode_l2_prefetch(int prefetch) { detail::g_decode_l2_prefetch.store(prefetch, std::memory_order_relaxed); }
+void set_decode_l2_fetch(int fetch) { detail::g_decode_l2_fetch.store(fetch, std::memory_order_relaxed); }
 #ifdef GQA_DECODE_TIMELINE
 bool decode_timeline_built() { return true; }
 #else
@@ -99,6 +101,10 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     const int l2_prefetch = detail::g_decode_l2_prefetch.load(std::memory_order_relaxed);
     const int64_t cache_kv_bytes = 2LL * p.batch * p.kv_heads * p.capacity * p.head_dim * dtype_size(p.dtype);
     w.l2_prefetch = l2_prefetch == 2 || (l2_prefetch == 0 && cache_kv_bytes <= kL2PrefetchMaxBytes) ? 1 : 0;
+    // The switch's code less one is the fetch (launch.h); auto: 128 bytes (see decode_mma.cuh,
+    // launch_decode_mma_d).
+    const int l2_fetch = detail::g_decode_l2_fetch.load(std::memory_order_relaxed);
+    w.l2_fetch = l2_fetch == 0 ? detail::kL2Fetch128 : l2_fetch - 1;
     w.timeline = detail::g_decode_timeline.load(std::memory_order_relaxed);
     w.timeline_records = detail::g_decode_timeline_records.load(std::memory_order_relaxed);
     const bool fused = tc && p.inplace;

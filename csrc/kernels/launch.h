@@ -14,9 +14,8 @@ namespace cuda {
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
-// sm90a build: "regs_k" at head sizes 64 and 128 where more CTAs than SMs stream long key
-// ranges, else TMA onto per-warp mbarriers at 256, and at 128 unless one CTA an SM streams
-// splits of 2,048 keys of capacity or more; cp.async otherwise), 1 cp.async always, 2 TMA where it
+// sm90a build: TMA onto per-warp mbarriers at head sizes 128 and 256; at 64 "regs_k" where more
+// CTAs than SMs stream long key ranges; cp.async otherwise), 1 cp.async always, 2 TMA where it
 // can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads into the mma fragments
 // and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
@@ -50,6 +49,12 @@ void set_decode_early_tiles(int early);
 // keys and its query rows before the PDL wait (decode_mma.cuh, Work::l2_prefetch). 0 auto
 // (where the call's caches hold at most kL2PrefetchMaxBytes of K and V), 1 off, 2 always.
 void set_decode_l2_prefetch(int prefetch);
+
+// Tests and benchmarks: how much L2 fetches from memory around each K/V read of the tensor-core
+// decode kernel (Work::l2_fetch for its cp.async copies and regs_k's K loads, and the TMA maps'
+// L2 promotion). 0 auto (128 bytes), 1 the sectors asked for, 2 the aligned 128 bytes, 3 the
+// aligned 256 bytes, for all of them.
+void set_decode_l2_fetch(int fetch);
 
 // Diagnostics (benchmarks/decode_timeline.py): the tensor-core decode kernel's per-CTA stamps
 // (decode_mma.cuh, DecodeTimelineField) into `records` ([count][16]), nullptr: off. Read when

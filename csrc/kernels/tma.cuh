@@ -33,7 +33,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // (wgmma.cuh); elements outside the tensor read as zeros. False when the driver has no encoder
 // or refuses the layout; the caller then keeps cp.async.
 inline bool encode_map_4d(CUtensorMap* map, const void* base, const Params& p, const int64_t (&dims)[4],
-                          const int64_t (&strides)[3], const int (&box)[4]) {
+                          const int64_t (&strides)[3], const int (&box)[4],
+                          CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || box[0] != 64) return false;
   cuuint64_t g_dims[4];
@@ -48,16 +49,16 @@ inline bool encode_map_4d(CUtensorMap* map, const void* base, const Params& p, c
   const CUtensorMapDataType type =
       p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return encode(map, type, 4, const_cast<void*>(base), g_dims, g_strides, g_box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+                CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // A TMA map of one cache ([B][Hkv][C][D] in whatever order its strides say) in boxes of 64
-// columns x `box_keys` keys.
-inline bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int box_keys) {
+// columns x `box_keys` keys; `promotion`: how much L2 fetches from memory around each box row.
+inline bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int box_keys,
+                             CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const TokenStrides s = p.cache_strides;
   return encode_map_4d(map, base, p, {p.head_dim, p.capacity, p.kv_heads, p.batch}, {s.token, s.head, s.batch},
-                       {64, box_keys, 1, 1});
+                       {64, box_keys, 1, 1}, promotion);
 }
 
 // A TMA map of the new keys or values of an in-place call ([B][S][Hkv][D] in whatever order

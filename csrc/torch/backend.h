@@ -86,6 +86,13 @@ void set_decode_early_tiles(const std::string& early);
 // hold at most 8 MB of K and V), "off" or "on" (always). No-op in a CPU-only build.
 void set_decode_l2_prefetch(const std::string& prefetch);
 
+// Tests and benchmarks: how much L2 fetches from memory around each K/V read of the tensor-core
+// decode kernel (its cp.async copies, its K loads into registers and its TMA copies), "auto"
+// (the default: the aligned 128 bytes around each), "sectors" (only those read), "128B" or
+// "256B".
+// No-op in a CPU-only build.
+void set_decode_l2_fetch(const std::string& fetch);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

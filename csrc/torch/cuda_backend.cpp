@@ -155,6 +155,12 @@ void set_decode_l2_prefetch(const std::string& prefetch) {
   set_switch(kPrefetch, prefetch, "decode L2 prefetch", GQA_CUDA_SWITCH(set_decode_l2_prefetch));
 }
 
+void set_decode_l2_fetch(const std::string& fetch) {
+  // The index is the L2 fetch code of kernels/launch.h.
+  static const char* const kFetch[] = {"auto", "sectors", "128B", "256B"};
+  set_switch(kFetch, fetch, "decode L2 fetch", GQA_CUDA_SWITCH(set_decode_l2_fetch));
+}
+
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),

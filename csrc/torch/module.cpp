@@ -57,6 +57,10 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: whether the tensor-core decode kernel asks L2 for its split's first keys and its "
         "query rows before it waits for the kernel before it, \"auto\" (the default: where the call's caches hold "
         "at most 8 MB of K and V), \"off\" or \"on\" (always).");
+  m.def("_set_decode_l2_fetch", &gqa::set_decode_l2_fetch, pybind11::arg("fetch"),
+        "Tests and benchmarks: how much L2 fetches from memory around each K/V read of the tensor-core decode "
+        "kernel (its cp.async copies, its K loads into registers and its TMA copies), \"auto\" (the default: the "
+        "aligned 128 bytes around each), \"sectors\" (only those read), \"128B\" or \"256B\".");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
