@@ -10,6 +10,8 @@
 // Each loader variant is spelled out in full (not factored into shared helpers), so that each
 // kernel reads alone as the pattern it measures.
 // Build and run on the device: nvcc -O3 -std=c++17 -arch=sm_90a -lcuda scripts/decode_bw_probe.cu -o /tmp/probe && /tmp/probe
+// (`/tmp/probe promotion` runs only the comparison of L2 fetch sizes: the 128- or 256-byte blocks
+// that L2 fetches around each read, by plain loads, cp.async and the TMA maps' promotion.)
 #include <cuda.h>
 #include <cuda_runtime.h>
 

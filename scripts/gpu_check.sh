@@ -2,10 +2,11 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|ab|abbuild|timeline|dtbuild|dtimeline|order|profile|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|bwprobe|ab|abbuild|timeline|dtbuild|dtimeline|order|profile|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
-# GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of each test process;
+# GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of the test step (shared
+# out over its processes) and of each sanitizer;
 # GQA_TESTS the test paths (default: tests); GQA_TEST_K a pytest -k expression; GQA_TEST_SPLIT
 # -k terms separated by ';' that split the GQA_TESTS shard into processes; GQA_TEST_ARGS
 # more pytest arguments (split on spaces); GQA_BENCH_ARGS and GQA_PREFILL_ARGS the arguments of
@@ -54,15 +55,27 @@ for step in $steps; do
         for term in "${terms[@]}" "not (${rest# or })"; do ks+=("${GQA_TEST_K:+($GQA_TEST_K) and }($term)"); done
         shards=(); for _ in "${ks[@]}"; do shards+=("$GQA_TESTS"); done
       fi
+      # The step's CPU threads (GQA_OMP_THREADS: its share under "checks") are divided over the
+      # shards, twice over and at least two each: 52 threads on 16 cores ran at full speed
+      # (twenty-seventh round, call 3), but six shards at 16 threads each crawled (call 4: five
+      # of them hit GQA_TEST_TIMEOUT).
+      threads=$(( 2 * ${GQA_OMP_THREADS:-$(nproc)} / ${#shards[@]} ))
+      threads=$(( threads > 2 ? threads : 2 ))
       pids=(); i=0
       for shard in "${shards[@]}"; do
         k=${ks[$i]:-${GQA_TEST_K:-}}
-        OMP_NUM_THREADS=${GQA_OMP_THREADS:-$(( $(nproc) / ${#shards[@]} > 0 ? $(nproc) / ${#shards[@]} : 1 ))} timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
+        OMP_NUM_THREADS=$threads timeout ${GQA_TEST_TIMEOUT:-1800} python3 -m pytest $shard -q -ra \
           -p no:cacheprovider -o faulthandler_timeout=120 --durations=10 ${k:+-k "$k"} ${GQA_TEST_ARGS:-} \
           > "$OUT/tests$i.log" 2>&1 &
         pids+=($!); i=$((i + 1))
       done
-      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      i=0
+      for pid in "${pids[@]}"; do
+        wait "$pid"; rc=$?
+        # timeout's own status: the shard was killed, so its log ends without a summary.
+        if [ $rc -eq 124 ]; then echo "tests$i: killed after GQA_TEST_TIMEOUT=${GQA_TEST_TIMEOUT:-1800} s" >> "$OUT/tests$i.log"; fi
+        [ $rc -eq 0 ] || status=1; i=$((i + 1))
+      done
       for log in "$OUT"/tests*.log; do echo "-- $log"; tail -25 "$log"; done ;;
     sanitize)
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
@@ -104,6 +117,13 @@ for step in $steps; do
         for op in HGMMA UTMALDG UTMASTG USETMAXREG; do echo "sass: $op $(grep -c "$op" "$OUT/prefill_mma.sass")"; done
         gzip -f "$OUT/prefill_mma.sass"
       fi ;;
+    bwprobe)
+      # The decode stream's ceilings without compute (scripts/decode_bw_probe.cu); GQA_BWPROBE_ARGS
+      # its section ("promotion": the L2 fetch size of each loader, twenty-seventh round; none:
+      # the launch chain and every loader).
+      nvcc -O3 -std=c++17 -arch=sm_90a -lcuda scripts/decode_bw_probe.cu -o "$OUT/decode_bw_probe" > "$OUT/bwprobe.log" 2>&1 \
+        && timeout ${GQA_BENCH_TIMEOUT:-900} "$OUT/decode_bw_probe" ${GQA_BWPROBE_ARGS:-} >> "$OUT/bwprobe.log" 2>&1 || status=1
+      rm -f "$OUT/decode_bw_probe"; grep -v "^ \|^$\|warning\|Remark" "$OUT/bwprobe.log" | tail -40 ;;
     probe)
       # Issue 6: the wgmma conventions on their own, then the wgmma prefill against mma.sync.
       nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o "$OUT/wgmma_probe" scripts/wgmma_probe.cu > "$OUT/probe.log" 2>&1 \
