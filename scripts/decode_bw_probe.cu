@@ -202,8 +202,9 @@ __global__ void __launch_bounds__(32) k_tma_rows(const __grid_constant__ CUtenso
 }
 
 // (1c) cp.async tiles of 64 keys by 128 threads, kStages deep, one CTA barrier a tile (the
-// decode kernel's other loader).
-template <int kStages>
+// decode kernel's other loader). kFetch: the L2 prefetch size each copy asks for (0 none, else
+// 128 or 256 bytes).
+template <int kStages, int kFetch = 0>
 __global__ void __launch_bounds__(128) k_cp_async(const uint16_t* K, const uint16_t* V, int S, int H, int chunk,
                                                  unsigned* sink) {
   extern __shared__ uint8_t sm_raw[];
@@ -221,8 +222,16 @@ __global__ void __launch_bounds__(128) k_cp_async(const uint16_t* K, const uint1
       const int r = r0 + pass * 8;
       const size_t g = head + static_cast<size_t>(k0 + t * 64 + r) * kD + c * 8;
       const uint32_t dk = smem_u32(ks + r * kStride + c * 8), dv = smem_u32(ks + (64 + r) * kStride + c * 8);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
+      if constexpr (kFetch == 256) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
+      } else if constexpr (kFetch == 128) {
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
+      } else {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
+      }
     }
   };
   for (int s = 0; s < kStages - 1; ++s) {
@@ -286,66 +295,7 @@ __global__ void __launch_bounds__(kThreads) k_ldg_split(const uint4* K, const ui
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-// (1f) K into registers by plain 16-byte loads (a warp's 16 keys: 8 loads a lane, the next
-// tile's issued before this one is used), V by TMA slices as the landed loader: is the ceiling
-// of the smem-staged loaders one of the path, which plain loads would sidestep for half the bytes?
-template <int kStages>
-__global__ void __launch_bounds__(128) k_mixed(const uint4* K, const __grid_constant__ CUtensorMap mv, int S, int H,
-                                              int chunk, unsigned* sink) {
-  extern __shared__ uint8_t sm_raw[];
-  uint8_t* sm = sm_raw + ((1024u - (smem_u32(sm_raw) & 1023u)) & 1023u);
-  __shared__ __align__(8) uint64_t bars[4 * kStages];
-  constexpr int kSlice = 16 * kD * 2;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int k0 = blockIdx.x * chunk;
-  const int ntiles = chunk / 64;
-  const uint32_t bar0 = smem_u32(&bars[warp * kStages]);
-  uint8_t* mine = sm + warp * kStages * kSlice;
-  const uint4* kb = K + ((static_cast<size_t>(b) * H + h) * S + k0 + warp * 16) * (kD / 8);
-  if (lane == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(bar0 + 8 * s, 1);
-  }
-  __syncwarp();
-  proxy_fence();
-  auto issue = [&](int t) {
-    const int st = t % kStages;
-    const uint32_t bar = bar0 + 8 * st;
-    mbar_expect(bar, kSlice);
-    const uint32_t dst = smem_u32(mine + st * kSlice);
-    for (int cb = 0; cb < kD / 64; ++cb) tma4<false>(dst + cb * 2048, &mv, cb * 64, k0 + t * 64 + warp * 16, h, b, bar, 0);
-  };
-  if (lane == 0) {
-    for (int t = 0; t < kStages - 1 && t < ntiles; ++t) issue(t);
-  }
-  uint4 cur[8], nxt[8];
-#pragma unroll
-  for (int u = 0; u < 8; ++u) cur[u] = __ldcs(kb + u * 32 + lane);
-  unsigned acc = 0;
-  for (int t = 0; t < ntiles; ++t) {
-    const uint4* kt = kb + static_cast<size_t>(t + 1) * 64 * (kD / 8);
-#pragma unroll
-    for (int u = 0; u < 8; ++u) nxt[u] = t + 1 < ntiles ? __ldcs(kt + u * 32 + lane) : make_uint4(0, 0, 0, 0);
-    const int nt = t + kStages - 1;
-    __syncwarp();
-    proxy_fence();
-    if (lane == 0 && nt < ntiles) issue(nt);
-    const int st = t % kStages;
-    mbar_wait(bar0 + 8 * st, (t / kStages) & 1);
-    acc += reinterpret_cast<const unsigned*>(mine + st * kSlice)[lane];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      acc ^= cur[u].x ^ cur[u].z;
-      cur[u] = nxt[u];
-    }
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;
-}
-
-// (1g) The landed regs_k loader's K pattern without compute: lane (l & 3) of key row l >> 2
-// loads 16-byte units u * 32 + (l & 3) * 8 of its key (u < 4), for keys l >> 2 and 8 + (l >> 2)
-// of the warp's 16, so one warp instruction reads 64 bytes of each of 8 keys; V by TMA slices.
-// kFetch: the L2 prefetch size the K loads ask for (0 none, else 128 or 256 bytes).
+// A streamed 16-byte load asking L2 for kFetch bytes around it (0: the sectors read).
 template <int kFetch>
 __device__ __forceinline__ uint4 ld_k(const uint4* p) {
   uint4 v;
@@ -358,8 +308,16 @@ __device__ __forceinline__ uint4 ld_k(const uint4* p) {
   }
   return v;
 }
-template <int kStages, int kFetch>
-__global__ void __launch_bounds__(128) k_regsk(const uint4* K, const __grid_constant__ CUtensorMap mv, int S, int H,
+// (1f) K into registers by plain 16-byte loads (a warp's 16 keys: 8 loads a lane, the next
+// tile's issued before this one is used), V by TMA slices as the landed loader: is the ceiling
+// of the smem-staged loaders one of the path, which plain loads would sidestep for half the bytes?
+// kRegsKOrder: K in the landed regs_k loader's order instead (lane (l & 3) of key row l >> 2
+// loads 16-byte units u * 32 + (l & 3) * 8 of its key, u < 4, for keys l >> 2 and 8 + (l >> 2)
+// of the warp's 16: one warp instruction reads 64 bytes of each of 8 keys, where in key order it
+// reads 512 contiguous bytes). kFetch: the L2 prefetch size the K loads ask for (0 none, else
+// 128 or 256 bytes).
+template <int kStages, bool kRegsKOrder = false, int kFetch = 0>
+__global__ void __launch_bounds__(128) k_mixed(const uint4* K, const __grid_constant__ CUtensorMap mv, int S, int H,
                                               int chunk, unsigned* sink) {
   extern __shared__ uint8_t sm_raw[];
   uint8_t* sm = sm_raw + ((1024u - (smem_u32(sm_raw) & 1023u)) & 1023u);
@@ -371,8 +329,10 @@ __global__ void __launch_bounds__(128) k_regsk(const uint4* K, const __grid_cons
   const int ntiles = chunk / 64;
   const uint32_t bar0 = smem_u32(&bars[warp * kStages]);
   uint8_t* mine = sm + warp * kStages * kSlice;
-  // This lane's first unit: key (lane >> 2) of the warp's 16, column block (lane & 3).
-  const uint4* kb = K + ((static_cast<size_t>(b) * H + h) * S + k0 + warp * 16 + (lane >> 2)) * (kD / 8) + (lane & 3);
+  // This lane's first 16-byte unit of the warp's 16 keys, and where its unit u lies from there.
+  const uint4* kb = K + ((static_cast<size_t>(b) * H + h) * S + k0 + warp * 16) * (kD / 8) +
+                    (kRegsKOrder ? (lane >> 2) * (kD / 8) + (lane & 3) : lane);
+  auto unit = [](int u) { return kRegsKOrder ? (u >> 2) * 8 * (kD / 8) + (u & 3) * 4 : u * 32; };
   if (lane == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(bar0 + 8 * s, 1);
   }
@@ -385,22 +345,17 @@ __global__ void __launch_bounds__(128) k_regsk(const uint4* K, const __grid_cons
     const uint32_t dst = smem_u32(mine + st * kSlice);
     for (int cb = 0; cb < kD / 64; ++cb) tma4<false>(dst + cb * 2048, &mv, cb * 64, k0 + t * 64 + warp * 16, h, b, bar, 0);
   };
-  auto load = [&](int t, uint4 (&r)[8]) {
-    const uint4* kt = kb + static_cast<size_t>(t) * 64 * (kD / 8);
-#pragma unroll
-    for (int grp = 0; grp < 2; ++grp) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u) r[grp * 4 + u] = ld_k<kFetch>(kt + grp * 8 * (kD / 8) + u * 4);
-    }
-  };
   if (lane == 0) {
     for (int t = 0; t < kStages - 1 && t < ntiles; ++t) issue(t);
   }
   uint4 cur[8], nxt[8];
-  load(0, cur);
+#pragma unroll
+  for (int u = 0; u < 8; ++u) cur[u] = ld_k<kFetch>(kb + unit(u));
   unsigned acc = 0;
   for (int t = 0; t < ntiles; ++t) {
-    if (t + 1 < ntiles) load(t + 1, nxt);
+    const uint4* kt = kb + static_cast<size_t>(t + 1) * 64 * (kD / 8);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) nxt[u] = t + 1 < ntiles ? ld_k<kFetch>(kt + unit(u)) : make_uint4(0, 0, 0, 0);
     const int nt = t + kStages - 1;
     __syncwarp();
     proxy_fence();
@@ -413,51 +368,6 @@ __global__ void __launch_bounds__(128) k_regsk(const uint4* K, const __grid_cons
       acc ^= cur[u].x ^ cur[u].z;
       cur[u] = nxt[u];
     }
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;
-}
-
-// (1h) k_cp_async with an L2 prefetch size on every copy (kFetch 128 or 256 bytes).
-template <int kStages, int kFetch>
-__global__ void __launch_bounds__(128) k_cp_async_fetch(const uint16_t* K, const uint16_t* V, int S, int H, int chunk,
-                                                       unsigned* sink) {
-  extern __shared__ uint8_t sm_raw[];
-  constexpr int kStride = kD + 8;
-  uint16_t* sm = reinterpret_cast<uint16_t*>(sm_raw);
-  const int tid = threadIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int k0 = blockIdx.x * chunk, k1 = min(S, k0 + chunk);
-  const int ntiles = (k1 - k0 + 63) / 64;
-  const size_t head = (static_cast<size_t>(b) * H + h) * S * kD;
-  const int c = tid % 16, r0 = tid / 16;
-  auto load = [&](int t, int st) {
-    uint16_t* ks = sm + st * 2 * 64 * kStride;
-    for (int pass = 0; pass < 8; ++pass) {
-      const int r = r0 + pass * 8;
-      const size_t g = head + static_cast<size_t>(k0 + t * 64 + r) * kD + c * 8;
-      const uint32_t dk = smem_u32(ks + r * kStride + c * 8), dv = smem_u32(ks + (64 + r) * kStride + c * 8);
-      if constexpr (kFetch == 256) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
-      } else {
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dk), "l"(K + g) : "memory");
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dv), "l"(V + g) : "memory");
-      }
-    }
-  };
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ntiles) load(s, s);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-  unsigned acc = 0;
-  for (int t = 0; t < ntiles; ++t) {
-    __syncthreads();
-    const int nt = t + kStages - 1;
-    if (nt < ntiles) load(nt, nt % kStages);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");
-    __syncthreads();
-    acc += reinterpret_cast<const unsigned*>(sm + (t % kStages) * 2 * 64 * kStride)[tid];
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
@@ -600,10 +510,10 @@ static void run_rows(const char* name, EncodeFn enc, const Bufs& m, int rows, in
   report(name, m, rows, chunk, ms, occupancy(k, 32, smem));
 }
 
-template <int kStages>
+template <int kStages, int kFetch = 0>
 static void run_cp(const char* name, const Bufs& m, int rows, int chunk, cudaStream_t st, unsigned* sink) {
   const size_t smem = (size_t)kStages * 2 * 64 * (kD + 8) * 2;
-  auto k = k_cp_async<kStages>;
+  auto k = k_cp_async<kStages, kFetch>;
   set_smem(k, smem);
   const dim3 grid(m.S / chunk, m.H, rows);
   const float ms = time_ms(st, 5, [&] { k<<<grid, 128, smem, st>>>(m.K, m.V, m.S, m.H, chunk, sink); });
@@ -634,39 +544,16 @@ static void run_ldg_split(const char* name, const Bufs& m, int rows, int chunk, 
   report(name, m, rows, chunk, ms, occupancy(k, kThreads, smem));
 }
 
-template <int kStages>
+template <int kStages, bool kRegsKOrder = false, int kFetch = 0>
 static void run_mixed(const char* name, EncodeFn enc, const Bufs& m, int rows, int chunk, cudaStream_t st, unsigned* sink) {
   const CUtensorMap mv = map4(enc, m.V, m, 16);
   const size_t smem = 1024 + (size_t)4 * kStages * 16 * kD * 2;
-  auto k = k_mixed<kStages>;
+  auto k = k_mixed<kStages, kRegsKOrder, kFetch>;
   set_smem(k, smem);
   const dim3 grid(m.S / chunk, m.H, rows);
   const float ms = time_ms(st, 5, [&] {
     k<<<grid, 128, smem, st>>>(reinterpret_cast<const uint4*>(m.K), mv, m.S, m.H, chunk, sink);
   });
-  report(name, m, rows, chunk, ms, occupancy(k, 128, smem));
-}
-
-template <int kStages, int kFetch>
-static void run_regsk(const char* name, EncodeFn enc, const Bufs& m, int rows, int chunk, cudaStream_t st, unsigned* sink) {
-  const CUtensorMap mv = map4(enc, m.V, m, 16);
-  const size_t smem = 1024 + (size_t)4 * kStages * 16 * kD * 2;
-  auto k = k_regsk<kStages, kFetch>;
-  set_smem(k, smem);
-  const dim3 grid(m.S / chunk, m.H, rows);
-  const float ms = time_ms(st, 5, [&] {
-    k<<<grid, 128, smem, st>>>(reinterpret_cast<const uint4*>(m.K), mv, m.S, m.H, chunk, sink);
-  });
-  report(name, m, rows, chunk, ms, occupancy(k, 128, smem));
-}
-
-template <int kStages, int kFetch>
-static void run_cp_fetch(const char* name, const Bufs& m, int rows, int chunk, cudaStream_t st, unsigned* sink) {
-  const size_t smem = (size_t)kStages * 2 * 64 * (kD + 8) * 2;
-  auto k = k_cp_async_fetch<kStages, kFetch>;
-  set_smem(k, smem);
-  const dim3 grid(m.S / chunk, m.H, rows);
-  const float ms = time_ms(st, 5, [&] { k<<<grid, 128, smem, st>>>(m.K, m.V, m.S, m.H, chunk, sink); });
   report(name, m, rows, chunk, ms, occupancy(k, 128, smem));
 }
 
@@ -748,13 +635,13 @@ int main(int argc, char** argv) {
           std::snprintf(nm, sizeof nm, "tma slices, maps %s", promo_names[pi]);
           run_slices<3, 16, 4, false>(nm, enc, m, rows, chunk, st, sink, 0);
           std::snprintf(nm, sizeof nm, "regs_k K sectors, V map %s", promo_names[pi]);
-          run_regsk<5, 0>(nm, enc, m, rows, chunk, st, sink);
+          run_mixed<5, true, 0>(nm, enc, m, rows, chunk, st, sink);
           std::snprintf(nm, sizeof nm, "regs_k K L2::128B, V map %s", promo_names[pi]);
-          run_regsk<5, 128>(nm, enc, m, rows, chunk, st, sink);
+          run_mixed<5, true, 128>(nm, enc, m, rows, chunk, st, sink);
         }
         g_map_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
         run_cp<3>("cp.async 3 st, sectors", m, rows, chunk, st, sink);
-        run_cp_fetch<3, 128>("cp.async 3 st, L2::128B", m, rows, chunk, st, sink);
+        run_cp<3, 128>("cp.async 3 st, L2::128B", m, rows, chunk, st, sink);
       }
     }
     CK(cudaDeviceSynchronize());

@@ -620,14 +620,11 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
     compiled without them ("auto"); the general kernel ("general") must give them the same
     results. In place (the fused path: the new key is patched into the warp that reads it) and
     functional, ragged rows over one and several splits, and a 20-head group (two head chunks)."""
-    gqa_torch._C._set_decode_features(features)
-    try:
+    with _switch_pinned(gqa_torch._C._set_decode_features, features):
         for i, op in enumerate(["inplace", "functional"]):
             case = make_case(op, batch=4, seq=1, num_heads=[8, 20][i], kv_num_heads=[2, 1][i], head_dim=head_dim,
                              capacity=3016, past_lengths=[0, 63, 700, 2999], dtype=DTYPES[dtype], layout=i)
             _run_cuda_and_cpu(case)
-    finally:
-        gqa_torch._C._set_decode_features("auto")
 
 
 @pytest.fixture(params=["cp_async", "tma", "regs_k"])
@@ -768,6 +765,17 @@ def _decode_pinned(merge="auto", max_splits=0, min_split_keys=0, schedule="auto"
         gqa_torch._C._set_decode_merge("auto")
         gqa_torch._C._set_decode_schedule("auto")
         gqa_torch._C._set_decode_split_override(0, 0)
+
+
+@contextlib.contextmanager
+def _switch_pinned(switch, value):
+    """One of the decode kernel's named switches (`gqa_torch._C._set_decode_*`) set to `value`
+    inside the block, and given back to "auto" afterwards whatever happens."""
+    switch(value)
+    try:
+        yield
+    finally:
+        switch("auto")
 
 
 def _assert_each_matches_reference(outs, cases, befores):
@@ -973,12 +981,9 @@ def test_cuda_decode_early_tiles_switch(head_dim, early):
     ("off") or before them ("auto"): ragged rows in place and functional with three
     feature sets, then the bad-row checks, where a valid row's CTAs have copies in flight when
     the checks fail and must wait for them before they leave."""
-    gqa_torch._C._set_decode_early_tiles(early)
-    try:
+    with _switch_pinned(gqa_torch._C._set_decode_early_tiles, early):
         _check_ragged_rows_three_features(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
-    finally:
-        gqa_torch._C._set_decode_early_tiles("auto")
 
 
 def _check_ragged_rows_three_features(head_dim):
@@ -1001,13 +1006,10 @@ def test_cuda_decode_l2_prefetch_switch(head_dim, prefetch):
     feature sets; then a captured two-call sequence in which the second call reads the row the
     first appended (lines the second may have asked for before the first wrote them); then the
     bad-row checks."""
-    gqa_torch._C._set_decode_l2_prefetch(prefetch)
-    try:
+    with _switch_pinned(gqa_torch._C._set_decode_l2_prefetch, prefetch):
         _check_ragged_rows_three_features(head_dim)
         _check_append_then_read_in_one_graph(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
-    finally:
-        gqa_torch._C._set_decode_l2_prefetch("auto")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -1016,12 +1018,9 @@ def test_cuda_decode_l2_fetch_switch(head_dim, fetch, decode_loader):
     """How much L2 fetches around each of the decode kernel's K/V reads (the cp.async copies',
     regs_k's K loads' and the TMA maps'), pinned, under each loader: ragged rows in place and
     functional, in both cache layouts, with three feature sets, then the bad-row checks."""
-    gqa_torch._C._set_decode_l2_fetch(fetch)
-    try:
+    with _switch_pinned(gqa_torch._C._set_decode_l2_fetch, fetch):
         _check_ragged_rows_three_features(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
-    finally:
-        gqa_torch._C._set_decode_l2_fetch("auto")
 
 
 def _check_append_then_read_in_one_graph(head_dim):

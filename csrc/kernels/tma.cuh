@@ -30,8 +30,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // A 4-D fp16/bf16 tensor map (dims[0] contiguous; strides in elements for dims 1..3) in boxes
 // whose rows are 64 elements (128 bytes), 128-byte swizzled as the blocked tiles are
-// (wgmma.cuh); elements outside the tensor read as zeros. False when the driver has no encoder
-// or refuses the layout; the caller then keeps cp.async.
+// (wgmma.cuh); elements outside the tensor read as zeros. `promotion`: how much L2 fetches from
+// memory around each box row (the prefill's maps keep the 256 bytes they always had; the
+// decode's ask for 128, see launch_decode_mma_d). False when the driver has no encoder or
+// refuses the layout; the caller then keeps cp.async.
 inline bool encode_map_4d(CUtensorMap* map, const void* base, const Params& p, const int64_t (&dims)[4],
                           const int64_t (&strides)[3], const int (&box)[4],
                           CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
@@ -53,7 +55,7 @@ inline bool encode_map_4d(CUtensorMap* map, const void* base, const Params& p, c
 }
 
 // A TMA map of one cache ([B][Hkv][C][D] in whatever order its strides say) in boxes of 64
-// columns x `box_keys` keys; `promotion`: how much L2 fetches from memory around each box row.
+// columns x `box_keys` keys, `promotion` as encode_map_4d's.
 inline bool encode_cache_map(CUtensorMap* map, const void* base, const Params& p, int box_keys,
                              CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const TokenStrides s = p.cache_strides;
