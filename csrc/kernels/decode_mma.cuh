@@ -981,9 +981,6 @@ extern std::atomic<int> g_decode_merge;
 // set_decode_features (launch.cu): 0 auto (the kPlain kernel for calls that use no feature it
 // compiles out), 1 the general kernel always.
 extern std::atomic<int> g_decode_features;
-// set_decode_l2_fetch (launch.cu): 0 auto (128 bytes), 1 the sectors, 2 128 bytes, 3 256 bytes (the
-// kernel's own reads take it through Work::l2_fetch; the TMA maps' promotion is read here).
-extern std::atomic<int> g_decode_l2_fetch;
 
 // Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
 // or the last CTA of each to arrive); otherwise, with several splits, the caller runs the merge
@@ -1039,15 +1036,14 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
   bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
-  // The maps' L2 promotion (set_decode_l2_fetch), auto's 128 bytes, as the kernel's own reads
-  // (Work::l2_fetch). On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode
-  // grid streaming 8.6 GB with nothing computed) 256-byte promotion held the TMA slices to
-  // 4.28-4.31 TB/s where 128 bytes or none read 4.53-4.55, and regs_k's K loads asking for 256
-  // bytes fell from 4.5 to 4.2; cp.async asking for 128 bytes rose from 4.20 to 4.33.
-  const int fetch = g_decode_l2_fetch.load(std::memory_order_relaxed);
-  const CUtensorMapL2promotion promotion = fetch == 1   ? CU_TENSOR_MAP_L2_PROMOTION_NONE
-                                           : fetch == 3 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
-                                                        : CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  // The maps' L2 promotion is the kernel's own reads' fetch (Work::l2_fetch; auto 128 bytes).
+  // On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode grid streaming
+  // 8.6 GB with nothing computed) 256-byte promotion held the TMA slices to 4.28-4.31 TB/s
+  // where 128 bytes or none read 4.53-4.55, and regs_k's K loads asking for 256 bytes fell from
+  // 4.5 to 4.2; cp.async asking for 128 bytes rose from 4.20 to 4.33.
+  const CUtensorMapL2promotion promotion = w.l2_fetch == kL2FetchSectors ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                           : w.l2_fetch == kL2Fetch256    ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                                                                          : CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   // 16-key boxes: one warp's slice. False when the driver has no encoder (cp.async then).
   if (tma)
     tma = encode_cache_map(&maps.k, p.key_cache, p, 16, promotion) &&

@@ -102,7 +102,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     const int64_t cache_kv_bytes = 2LL * p.batch * p.kv_heads * p.capacity * p.head_dim * dtype_size(p.dtype);
     w.l2_prefetch = l2_prefetch == 2 || (l2_prefetch == 0 && cache_kv_bytes <= kL2PrefetchMaxBytes) ? 1 : 0;
     // The switch's code less one is the fetch (launch.h); auto: 128 bytes (see decode_mma.cuh,
-    // launch_decode_mma_d).
+    // launch_decode_mma_d, which gives the TMA maps the same).
     const int l2_fetch = detail::g_decode_l2_fetch.load(std::memory_order_relaxed);
     w.l2_fetch = l2_fetch == 0 ? detail::kL2Fetch128 : l2_fetch - 1;
     w.timeline = detail::g_decode_timeline.load(std::memory_order_relaxed);
