@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 import gqa_torch  # noqa: E402
 from common import capture_graph, time_graph  # noqa: E402
 
-ROWS = {  # name: (B, L, S[, D]): S = 1 decode, else a causal prefill of S tokens on an empty cache
+ROWS = {  # name: (B, L, S[, D[, Hq, Hkv]]): S = 1 decode, else a causal prefill of S tokens on an
+    # empty cache; D 128 and 32/8 heads unless given
     "b1_l1024": (1, 1024, 1),
     "b1_l8192": (1, 8192, 1),
     "b8_l8192": (8, 8192, 1),
@@ -41,13 +42,22 @@ ROWS = {  # name: (B, L, S[, D]): S = 1 decode, else a causal prefill of S token
     "prefill_b1_l16384": (1, 16384, 16384),
     "prefill_b2_l4096_d64": (2, 4096, 4096, 64),
     "prefill_b2_l4096_d256": (2, 4096, 4096, 256),
+    "d64_b1_l1024": (1, 1024, 1, 64, 14, 2),  # bench_decode.py's 14/2/64 rows
+    "d64_b1_l32768": (1, 32768, 1, 64, 14, 2),
+    "g8_b16_l8192": (16, 8192, 1, 128, 64, 8),  # its 64/8 row
 }
-HQ, HKV = 32, 8
+
+
+def row_shape(row: str):
+    """(B, L, S, D, Hq, Hkv) of a row, with the defaults filled in."""
+    defaults = (128, 32, 8)  # D, Hq, Hkv
+    shape = ROWS[row]
+    return (*shape, *defaults[len(shape) - 3:])
 
 
 def make_call(row: str):
     """Returns step(i) over enough input sets to rotate beyond L2, and the set count."""
-    b, length, s, D = (*ROWS[row], 128)[:4]
+    b, length, s, D, HQ, HKV = row_shape(row)
     kv_bytes = 2 * b * HKV * length * D * 2
     n = max(1, min(32, (400 << 20) // kv_bytes + 1))
     dt = torch.bfloat16

@@ -721,6 +721,26 @@ def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
         gqa_torch._C._set_decode_split_override(0, 0)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_decode_arrival_merge_long_and_uneven_splits(dtype, head_dim):
+    """The in-launch merge by the last split to finish, in 3 splits, on splits of 16 and 17
+    tiles in one (row, kv head) slot (1,024 and 1,025 keys at head sizes 64 and 128, 512 and
+    513 at 256, where a tile is 32 keys), splits of 32 tiles and of six, and a row of one key
+    (two empty splits), with every feature, both ops and layouts."""
+    tile_keys = 32 if head_dim == 256 else 64
+    edge = 16 * tile_keys
+    # 3 splits of ceil(n / 3) keys: n = 3 edge + 2 gives two splits of edge + 1 and one of edge.
+    lengths = [3 * edge + 2, 6 * edge, edge, 1, 3 * edge - 5]  # visible keys a row
+    with _decode_pinned("arrival", 3, 1):
+        for i, feat in enumerate(FEATURE_CYCLE):
+            case = make_case(["inplace", "functional"][i % 2], batch=len(lengths), seq=1, num_heads=8,
+                             kv_num_heads=2, head_dim=head_dim, capacity=6 * edge + 1,
+                             past_lengths=[n - 1 for n in lengths], dtype=DTYPES[dtype],
+                             layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype,schedule,merge,max_splits", [
     ("fp16", "auto", "auto", 0), ("bf16", "auto", "auto", 0), ("bf16", "rows", "auto", 0),
     ("fp16", "longest_first", "auto", 3), ("bf16", "longest_first", "kernel", 3),
