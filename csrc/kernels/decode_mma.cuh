@@ -29,7 +29,6 @@
 #include "decode_schedule.cuh"
 #include "tma.cuh"
 
-#include <type_traits>
 
 namespace gqa {
 namespace cuda {
@@ -389,39 +388,31 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int64_t pass_step = static_cast<int64_t>(kRowsPerPass) * cs.token;
   const T* kcol = kbase + my_chunk * 8;
   const T* vcol = vbase + my_chunk * 8;
-  // Work::l2_fetch: how much L2 fetches around each cp.async copy and regs_k K load (the branch
-  // is uniform; each side is the same loop with the one instruction changed). Calls `body` with
-  // the fetch as a compile-time constant.
-  const int l2_fetch = w.l2_fetch;
-  auto with_l2_fetch = [&](auto body) {
-    if (l2_fetch == kL2Fetch128) {
-      body(std::integral_constant<int, kL2Fetch128>{});
-    } else if (l2_fetch == kL2Fetch256) {
-      body(std::integral_constant<int, kL2Fetch256>{});
-    } else {
-      body(std::integral_constant<int, kL2FetchSectors>{});
-    }
-  };
+  // The cp.async copies and regs_k's K loads ask L2 for the aligned 128 bytes around each read
+  // (.L2::128B; twenty-seventh round: 3% more for cp.async than the sectors alone, level for the
+  // plain loads). Fixed here, not chosen at run time as Work::l2_fetch chooses the TMA maps'
+  // promotion: a run-time choice kept three copies of every copy loop in the kernel (D = 64
+  // cp.async: 7,752 SASS instructions against 6,152 with one), and at B = 1 the warps wait for
+  // instructions to be fetched more than for anything else.
+  constexpr int kFetch = kL2Fetch128;
   auto load_tile = [&](int tile, int stage) {
     if (my_row >= kRowsPerPass) return;
-    with_l2_fetch([&](auto fetch) {
-      T* ks = kv_s + stage * 2 * kTile * kStride + my_row * kStride + my_chunk * 8;
-      T* vs = ks + kTile * kStride;
-      int j = k0 + tile * kTile + my_row;
-      int64_t off = static_cast<int64_t>(j) * cs.token;
+    T* ks = kv_s + stage * 2 * kTile * kStride + my_row * kStride + my_chunk * 8;
+    T* vs = ks + kTile * kStride;
+    int j = k0 + tile * kTile + my_row;
+    int64_t off = static_cast<int64_t>(j) * cs.token;
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        if (pass * kRowsPerPass + my_row < kTile) {
-          const bool ok = j < k1;  // rows past the split's end are zero-filled, never read
-          cp_async16<decltype(fetch)::value>(ks, kcol + (ok ? off : 0), ok);
-          cp_async16<decltype(fetch)::value>(vs, vcol + (ok ? off : 0), ok);
-        }
-        ks += kRowsPerPass * kStride;
-        vs += kRowsPerPass * kStride;
-        j += kRowsPerPass;
-        off += pass_step;
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if (pass * kRowsPerPass + my_row < kTile) {
+        const bool ok = j < k1;  // rows past the split's end are zero-filled, never read
+        cp_async16<kFetch>(ks, kcol + (ok ? off : 0), ok);
+        cp_async16<kFetch>(vs, vcol + (ok ? off : 0), ok);
       }
-    });
+      ks += kRowsPerPass * kStride;
+      vs += kRowsPerPass * kStride;
+      j += kRowsPerPass;
+      off += pass_step;
+    }
   };
 
   // kTma: lane 0 of each warp loads its 16 keys of K and V, D / 64 boxes each (rows past the
@@ -465,17 +456,15 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const T* k_lane = kbase + (lane & 3) * 8;
   auto load_k = [&](int tile, uint4 (&kr)[2][kKU]) {
     const int key0 = k0 + tile * kTile + kw + (lane >> 2);
-    with_l2_fetch([&](auto fetch) {
 #pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        const int key = key0 + grp * 8;
-        const bool ok = key < k1;
-        const uint4* src = reinterpret_cast<const uint4*>(k_lane + static_cast<int64_t>(ok ? key : k0) * cs.token);
+    for (int grp = 0; grp < 2; ++grp) {
+      const int key = key0 + grp * 8;
+      const bool ok = key < k1;
+      const uint4* src = reinterpret_cast<const uint4*>(k_lane + static_cast<int64_t>(ok ? key : k0) * cs.token);
 #pragma unroll
-        for (int u = 0; u < kKU; ++u)
-          kr[grp][u] = ok ? ld_stream16<decltype(fetch)::value>(src + u * 4) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    });
+      for (int u = 0; u < kKU; ++u)
+        kr[grp][u] = ok ? ld_stream16<kFetch>(src + u * 4) : make_uint4(0u, 0u, 0u, 0u);
+    }
   };
 
   // The split's first kStages - 1 tiles.
