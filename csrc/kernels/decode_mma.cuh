@@ -29,7 +29,6 @@
 #include "decode_schedule.cuh"
 #include "tma.cuh"
 
-
 namespace gqa {
 namespace cuda {
 namespace detail {
