@@ -39,7 +39,8 @@ FEATURE_COLUMNS = ["general"]
 EARLY_COLUMNS = ["off"]
 # The L2 prefetch before the PDL wait off and on (auto: on where the caches hold <= 8 MB of K/V).
 L2_COLUMNS = ["off", "on"]
-# How much L2 fetches around each K/V read of every loader, pinned (auto: 128 bytes).
+# How much L2 fetches around each TMA copy of K and V, pinned (the maps' promotion; auto: 128
+# bytes). The cp.async copies and regs_k's K loads always ask for 128.
 FETCH_COLUMNS = ["sectors", "128B", "256B"]
 
 

@@ -1035,9 +1035,10 @@ def test_cuda_decode_l2_prefetch_switch(head_dim, prefetch):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("fetch", ["sectors", "128B", "256B"])
 def test_cuda_decode_l2_fetch_switch(head_dim, fetch, decode_loader):
-    """How much L2 fetches around each of the decode kernel's K/V reads (the cp.async copies',
-    regs_k's K loads' and the TMA maps'), pinned, under each loader: ragged rows in place and
-    functional, in both cache layouts, with three feature sets, then the bad-row checks."""
+    """How much L2 fetches around each of the decode kernel's TMA copies (the maps' promotion),
+    pinned, under each loader (cp.async and regs_k's K loads always ask for 128 bytes, so the
+    switch moves nothing under cp.async and only the V maps under regs_k): ragged rows in place
+    and functional, in both cache layouts, with three feature sets, then the bad-row checks."""
     with _switch_pinned(gqa_torch._C._set_decode_l2_fetch, fetch):
         _check_ragged_rows_three_features(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)

@@ -50,9 +50,10 @@ struct Work {
   // Decode on tensor cores: before the PDL wait, each CTA asks L2 for its split's first keys
   // and its query rows (decode_mma.cuh); 0: it does not.
   int32_t l2_prefetch = 0;
-  // Decode on tensor cores: the K/V reads by cp.async and by plain loads (regs_k's K) ask L2 to
-  // fetch the whole aligned block of kL2Fetch128 (.L2::128B) or kL2Fetch256 (.L2::256B) bytes
-  // around each from memory; kL2FetchSectors: only the sectors asked for.
+  // Decode on tensor cores: the TMA maps' L2 promotion, that is how much L2 fetches from memory
+  // around each TMA copy of K and V: the whole aligned block of kL2Fetch128 or kL2Fetch256
+  // bytes; kL2FetchSectors: only the sectors asked for. (The kernel's cp.async copies and
+  // regs_k's K loads always ask for 128 bytes: decode_mma.cuh.)
   int32_t l2_fetch = 0;
   // Diagnostics (set_decode_timeline): each tensor-core decode CTA that computes writes a
   // record of kDecodeTimelineFields stamps here (decode_mma.cuh, DecodeTimelineField), the
@@ -538,8 +539,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(a));
 }
 
-// How much L2 fetches from memory around a global read (Work::l2_fetch): the sectors asked
-// for, or the aligned 128- or 256-byte block.
+// How much L2 fetches from memory around a global read (cp_async16, ld_stream16, and
+// Work::l2_fetch for the decode TMA maps): the sectors asked for, or the aligned 128- or
+// 256-byte block.
 enum L2Fetch : int { kL2FetchSectors = 0, kL2Fetch128 = 1, kL2Fetch256 = 2 };
 
 // 16-byte global->shared copy; when !pred the destination is zero-filled and nothing is read.

@@ -392,7 +392,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // plain loads). Fixed here, not chosen at run time as Work::l2_fetch chooses the TMA maps'
   // promotion: a run-time choice kept three copies of every copy loop in the kernel (D = 64
   // cp.async: 7,752 SASS instructions against 6,152 with one), and at B = 1 the warps wait for
-  // instructions to be fetched more than for anything else.
+  // instructions to be fetched more than for anything else (twenty-eighth round, interleaved:
+  // 14/2/64 L32768 10.1 against 10.8 us; TMA, which has no such loop, 10.9 in both runs).
   constexpr int kFetch = kL2Fetch128;
   auto load_tile = [&](int tile, int stage) {
     if (my_row >= kRowsPerPass) return;
@@ -1024,7 +1025,8 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
   bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
-  // The maps' L2 promotion is the kernel's own reads' fetch (Work::l2_fetch; auto 128 bytes).
+  // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies
+  // and plain loads always ask for).
   // On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode grid streaming
   // 8.6 GB with nothing computed) 256-byte promotion held the TMA slices to 4.28-4.31 TB/s
   // where 128 bytes or none read 4.53-4.55, and regs_k's K loads asking for 256 bytes fell from

@@ -50,10 +50,10 @@ void set_decode_early_tiles(int early);
 // (where the call's caches hold at most kL2PrefetchMaxBytes of K and V), 1 off, 2 always.
 void set_decode_l2_prefetch(int prefetch);
 
-// Tests and benchmarks: how much L2 fetches from memory around each K/V read of the tensor-core
-// decode kernel (Work::l2_fetch for its cp.async copies and regs_k's K loads, and the TMA maps'
-// L2 promotion). 0 auto (128 bytes), 1 the sectors asked for, 2 the aligned 128 bytes, 3 the
-// aligned 256 bytes, for all of them.
+// Tests and benchmarks: how much L2 fetches from memory around each TMA copy of K and V in the
+// tensor-core decode kernel (Work::l2_fetch: the TMA maps' L2 promotion). 0 auto (128 bytes), 1
+// the sectors asked for, 2 the aligned 128 bytes, 3 the aligned 256 bytes. The kernel's cp.async
+// copies and regs_k's K loads always ask for 128 bytes (decode_mma.cuh says why).
 void set_decode_l2_fetch(int fetch);
 
 // Diagnostics (benchmarks/decode_timeline.py): the tensor-core decode kernel's per-CTA stamps

@@ -86,10 +86,10 @@ void set_decode_early_tiles(const std::string& early);
 // hold at most 8 MB of K and V), "off" or "on" (always). No-op in a CPU-only build.
 void set_decode_l2_prefetch(const std::string& prefetch);
 
-// Tests and benchmarks: how much L2 fetches from memory around each K/V read of the tensor-core
-// decode kernel (its cp.async copies, its K loads into registers and its TMA copies), "auto"
-// (the default: the aligned 128 bytes around each), "sectors" (only those read), "128B" or
-// "256B".
+// Tests and benchmarks: how much L2 fetches from memory around each TMA copy of K and V in the
+// tensor-core decode kernel (the TMA maps' L2 promotion), "auto" (the default: the aligned 128
+// bytes around each), "sectors" (only those read), "128B" or "256B". Its cp.async copies and its
+// K loads into registers always ask for 128 bytes.
 // No-op in a CPU-only build.
 void set_decode_l2_fetch(const std::string& fetch);
 

@@ -58,9 +58,10 @@ PYBIND11_MODULE(_C, m) {
         "query rows before it waits for the kernel before it, \"auto\" (the default: where the call's caches hold "
         "at most 8 MB of K and V), \"off\" or \"on\" (always).");
   m.def("_set_decode_l2_fetch", &gqa::set_decode_l2_fetch, pybind11::arg("fetch"),
-        "Tests and benchmarks: how much L2 fetches from memory around each K/V read of the tensor-core decode "
-        "kernel (its cp.async copies, its K loads into registers and its TMA copies), \"auto\" (the default: the "
-        "aligned 128 bytes around each), \"sectors\" (only those read), \"128B\" or \"256B\".");
+        "Tests and benchmarks: how much L2 fetches from memory around each TMA copy of K and V in the tensor-core "
+        "decode kernel (the TMA maps' L2 promotion), \"auto\" (the default: the aligned 128 bytes around each), "
+        "\"sectors\" (only those read), \"128B\" or \"256B\". Its cp.async copies and its K loads into registers "
+        "always ask for 128 bytes.");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
