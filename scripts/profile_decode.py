@@ -57,20 +57,20 @@ def row_shape(row: str):
 
 def make_call(row: str):
     """Returns step(i) over enough input sets to rotate beyond L2, and the set count."""
-    b, length, s, D, HQ, HKV = row_shape(row)
-    kv_bytes = 2 * b * HKV * length * D * 2
+    b, length, s, D, hq, hkv = row_shape(row)
+    kv_bytes = 2 * b * hkv * length * D * 2
     n = max(1, min(32, (400 << 20) // kv_bytes + 1))
     dt = torch.bfloat16
-    caches = [(torch.randn(b, HKV, length, D, device="cuda", dtype=dt),
-               torch.randn(b, HKV, length, D, device="cuda", dtype=dt)) for _ in range(n)]
-    qs = [torch.randn(b, s, HQ * D, device="cuda", dtype=dt) for _ in range(n)]
-    new_k = torch.randn(b, s, HKV * D, device="cuda", dtype=dt)
-    new_v = torch.randn(b, s, HKV * D, device="cuda", dtype=dt)
+    caches = [(torch.randn(b, hkv, length, D, device="cuda", dtype=dt),
+               torch.randn(b, hkv, length, D, device="cuda", dtype=dt)) for _ in range(n)]
+    qs = [torch.randn(b, s, hq * D, device="cuda", dtype=dt) for _ in range(n)]
+    new_k = torch.randn(b, s, hkv * D, device="cuda", dtype=dt)
+    new_v = torch.randn(b, s, hkv * D, device="cuda", dtype=dt)
     seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
 
     def step(i: int) -> None:
         gqa_torch.group_query_attention_(qs[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
-                                         num_heads=HQ, kv_num_heads=HKV)
+                                         num_heads=hq, kv_num_heads=hkv)
 
     return step, n
 
