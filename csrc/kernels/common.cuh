@@ -539,36 +539,29 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(a));
 }
 
-// How much L2 fetches from memory around a global read (cp_async16, ld_stream16, and
-// Work::l2_fetch for the decode TMA maps): the sectors asked for, or the aligned 128- or
-// 256-byte block.
+// How much L2 fetches from memory around a decode TMA copy (Work::l2_fetch, the maps' L2
+// promotion): the sectors asked for, or the aligned 128- or 256-byte block.
 enum L2Fetch : int { kL2FetchSectors = 0, kL2Fetch128 = 1, kL2Fetch256 = 2 };
 
 // 16-byte global->shared copy; when !pred the destination is zero-filled and nothing is read.
-template <int kFetch = kL2FetchSectors>
+// kL2Block128: L2 fetches the aligned 128 bytes around the read from memory (.L2::128B), not
+// only the sectors read.
+template <bool kL2Block128 = false>
 __device__ __forceinline__ void cp_async16(void* smem_ptr, const void* gmem_ptr, bool pred) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
   const int n = pred ? 16 : 0;
-  if constexpr (kFetch == kL2Fetch128) {
+  if constexpr (kL2Block128) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
-  } else if constexpr (kFetch == kL2Fetch256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
   } else {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_ptr), "r"(n));
   }
 }
-// A streamed 16-byte global load (ld.global.cs, as __ldcs), kFetch as cp_async16's. The asm is
-// not volatile, as __ldcs is not: the compiler may schedule it like any load.
-template <int kFetch>
-__device__ __forceinline__ uint4 ld_stream16(const uint4* src) {
+// A streamed 16-byte global load (ld.global.cs, as __ldcs) for which L2 fetches the aligned 128
+// bytes around the read (.L2::128B). The asm is not volatile, as __ldcs is not: the compiler may
+// schedule it like any load.
+__device__ __forceinline__ uint4 ld_stream16_l2_128(const uint4* src) {
   uint4 v;
-  if constexpr (kFetch == kL2Fetch128) {
-    asm("ld.global.cs.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
-  } else if constexpr (kFetch == kL2Fetch256) {
-    asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
-  } else {
-    v = __ldcs(src);
-  }
+  asm("ld.global.cs.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
   return v;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -394,7 +394,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // cp.async: 7,752 SASS instructions against 6,152 with one), and at B = 1 the warps wait for
   // instructions to be fetched more than for anything else (twenty-eighth round, interleaved:
   // 14/2/64 L32768 10.1 against 10.8 us; TMA, which has no such loop, 10.9 in both runs).
-  constexpr int kFetch = kL2Fetch128;
   auto load_tile = [&](int tile, int stage) {
     if (my_row >= kRowsPerPass) return;
     T* ks = kv_s + stage * 2 * kTile * kStride + my_row * kStride + my_chunk * 8;
@@ -405,8 +404,8 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     for (int pass = 0; pass < kPasses; ++pass) {
       if (pass * kRowsPerPass + my_row < kTile) {
         const bool ok = j < k1;  // rows past the split's end are zero-filled, never read
-        cp_async16<kFetch>(ks, kcol + (ok ? off : 0), ok);
-        cp_async16<kFetch>(vs, vcol + (ok ? off : 0), ok);
+        cp_async16<true>(ks, kcol + (ok ? off : 0), ok);
+        cp_async16<true>(vs, vcol + (ok ? off : 0), ok);
       }
       ks += kRowsPerPass * kStride;
       vs += kRowsPerPass * kStride;
@@ -463,7 +462,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       const uint4* src = reinterpret_cast<const uint4*>(k_lane + static_cast<int64_t>(ok ? key : k0) * cs.token);
 #pragma unroll
       for (int u = 0; u < kKU; ++u)
-        kr[grp][u] = ok ? ld_stream16<kFetch>(src + u * 4) : make_uint4(0u, 0u, 0u, 0u);
+        kr[grp][u] = ok ? ld_stream16_l2_128(src + u * 4) : make_uint4(0u, 0u, 0u, 0u);
     }
   };
 
