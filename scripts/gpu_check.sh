@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|bwprobe|ab|abbuild|timeline|dtbuild|dtimeline|order|profile|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|bwprobe|ab|abbuild|variants|abdecode|timeline|dtbuild|dtimeline|order|profile|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of the test step (shared
@@ -148,6 +148,39 @@ for step in $steps; do
         done
       done
       grep -E "^\||^==" "$OUT/abbuild.log" | grep -v "^|---" ;;
+    variants)
+      # Copies of the tree, each with one patch of GQA_VARIANTS (paths relative to the tree,
+      # space-separated) applied, built in the background at /tmp/gqa_variant_<i>, each marking
+      # its end with .built or .failed; "abdecode" waits for them. Start it before "build": the
+      # builds share the cores (a build's wall time is mostly its longest translation unit).
+      i=0
+      for patch in ${GQA_VARIANTS:-}; do
+        vt=/tmp/gqa_variant_$i; patch_path=$PWD/$patch; log=$OUT/variant$i.log
+        rm -rf "$vt"; mkdir -p "$vt"
+        tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$vt"
+        (cd "$vt" && patch -p1 < "$patch_path" > "$log" 2>&1 && TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} \
+          MAX_JOBS=${MAX_JOBS:-16} GQA_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace >> "$log" 2>&1 \
+          && touch .built || touch .failed) &
+        echo "variant $i: $patch building at $vt"; i=$((i + 1))
+      done ;;
+    abdecode)
+      # benchmarks/ab_decode.py (GQA_ABDECODE_ARGS) in this tree and in each variant's, in turn,
+      # GQA_AB_REPEATS times (default 3), the order alternating.
+      trees=("$PWD"); i=0
+      for patch in ${GQA_VARIANTS:-}; do
+        vt=/tmp/gqa_variant_$i
+        for _ in $(seq 600); do [ -e "$vt/.built" ] || [ -e "$vt/.failed" ] && break; sleep 1; done
+        if [ -e "$vt/.built" ]; then trees+=("$vt"); else echo "variant $i ($patch) did not build:"; tail -20 "$OUT/variant$i.log"; status=1; fi
+        i=$((i + 1))
+      done
+      for r in $(seq ${GQA_AB_REPEATS:-3}); do
+        order=("${trees[@]}"); [ $((r % 2)) -eq 0 ] && order=($(printf '%s\n' "${trees[@]}" | tac))
+        for tree in "${order[@]}"; do
+          (cd "$tree/benchmarks" && PYTHONPATH="$tree" timeout ${GQA_BENCH_TIMEOUT:-900} python3 ab_decode.py \
+            --tag "$(basename "$tree")" ${GQA_ABDECODE_ARGS:-}) >> "$OUT/abdecode.log" 2>&1 || status=1
+        done
+      done
+      grep " row " "$OUT/abdecode.log" | sort -k3,3n -k1,1 -s ;;
     timeline)
       # Where the prefill kernel's time goes, block by block (the per-block SM-clock stamps).
       (cd benchmarks && timeout ${GQA_BENCH_TIMEOUT:-900} python3 block_timeline.py ${GQA_TIMELINE_ARGS:-} \

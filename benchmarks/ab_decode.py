@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""One build's decode speed against SDPA cuDNN, for comparing builds and switch settings
+(device only).
+
+Two builds cannot share a process (both register torch.ops.gqa), so an A/B of two builds runs
+this script in each in turn, several times (scripts/gpu_check.sh, step "abdecode"). Each run
+times our in-place call and SDPA cuDNN interleaved on the chosen rows of bench_decode.py's
+grid and any other shapes (CUDA-graph replays, inputs rotated beyond L2, as bench_decode.py),
+so that the ratio ours / cuDNN carries no drift of the clocks between runs. `--pins` adds our
+call with a switch pinned, interleaved with the rest: `splits=N` (the decode split count,
+_set_decode_split_override) or `merge=`, `loader=`, `schedule=` (the _set_decode_* switches).
+Prints one line a row:
+
+    python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 --pins merge=kernel splits=4
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gqa_torch  # noqa: E402
+from bench_decode import DECODE_GRID, DTYPE, pinned, sdpa_step  # noqa: E402
+from common import inplace_decode_step, time_graphs_interleaved, warm_up_gpu  # noqa: E402
+
+
+def split_override(value: str) -> None:
+    gqa_torch._C._set_decode_split_override(0 if value == "auto" else int(value), 0)
+
+
+SWITCHES = {"splits": split_override, "merge": gqa_torch._C._set_decode_merge,
+            "loader": gqa_torch._C._set_decode_loader, "schedule": gqa_torch._C._set_decode_schedule}
+
+
+def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list) -> dict:
+    """µs a call on one shape: ours, SDPA cuDNN and ours with each pin ("name=value")."""
+    ours, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE)
+    ks = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    vs = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    steps = {"ours": ours, "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
+    for pin in pins:
+        name, value = pin.split("=")
+        steps[pin] = pinned(ours, SWITCHES[name], value)
+    return time_graphs_interleaved(steps, n)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="*", default=list(range(len(DECODE_GRID))),
+                        help="indices into bench_decode.DECODE_GRID (default: all)")
+    parser.add_argument("--shapes", nargs="*", default=[],
+                        help="more shapes, each BxHqxHkvxDxL (printed as rows 100, 101, ...)")
+    parser.add_argument("--pins", nargs="*", default=[],
+                        help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule)")
+    parser.add_argument("--tag", default="", help="a name for this build, printed on every line")
+    args = parser.parse_args()
+    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
+    for pin in args.pins:
+        assert pin.count("=") == 1 and pin.split("=")[0] in SWITCHES, f"--pins: expected name=value, got {pin}"
+    shapes = [(i, DECODE_GRID[i]) for i in args.rows]
+    shapes += [(100 + i, tuple(int(x) for x in text.lower().split("x"))) for i, text in enumerate(args.shapes)]
+    torch.manual_seed(0)
+    warm_up_gpu()
+    for index, (b, hq, hkv, d, length) in shapes:
+        times = time_row(b, hq, hkv, d, length, args.pins)
+        ours, cudnn = times.pop("ours"), times.pop("cudnn")
+        pins = "".join(f" | {name} {t:.2f}" for name, t in times.items())
+        print(f"{args.tag} row {index} B{b} {hq}/{hkv}/{d} L{length}: ours {ours:.2f} cudnn {cudnn:.2f} "
+              f"cudnn/ours {cudnn / ours:.3f}{pins}", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
