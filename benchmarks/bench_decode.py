@@ -29,7 +29,7 @@ STEP_GRID = [(1, 4096, 1000), (8, 4096, 1000), (8, 32768, 4000), (32, 8192, 8000
 DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
-MERGE_COLUMNS = ["kernel", "cluster", "arrival"]
+MERGE_COLUMNS = ["kernel", "arrival"]
 # The decode kernel's row orders pinned (auto takes the rows longest first where the plan says so).
 SCHEDULE_COLUMNS = ["rows", "longest_first"]
 # The decode kernel with every feature compiled in (auto takes the build without RoPE, softcap,

@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """How the decode kernel's splits are best merged (device only): µs a call with the merge
-kernel and with the in-launch merges (a cluster, the last split to finish), at the plan's split
-count and at 8 and 4 splits,
-on the rows where the two differ most. Prints one line a row; CUDA-graph timing, inputs
+kernel and with the in-launch merge (the last split to finish), at the plan's split count and
+at 8 and 4 splits, on the rows where the two differ most. Prints one line a row; CUDA-graph timing, inputs
 rotated beyond L2, as bench_decode.py.
 
     python3 benchmarks/sweep_decode_merge.py
@@ -21,7 +20,7 @@ from common import inplace_decode_step, progress, time_graph, warm_up_gpu  # noq
 ROWS = [(1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768), (1, 14, 2, 64, 1024),
         (8, 32, 8, 128, 1024), (8, 32, 8, 128, 32768)]  # B, Hq, Hkv, D, L
 SPLITS = [0, 8, 4]  # 0: the plan's
-MERGES = ["kernel", "cluster", "arrival"]
+MERGES = ["kernel", "arrival"]
 
 
 def sweep_row(b: int, hq: int, hkv: int, d: int, length: int) -> str:

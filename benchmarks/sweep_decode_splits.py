@@ -49,7 +49,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--splits", type=int, nargs="+", default=SPLITS)
     parser.add_argument("--loader", default="auto", help="the decode loader to pin (auto, cp_async, tma, regs_k)")
-    parser.add_argument("--merge", default="auto", help="the decode merge to pin (auto, kernel, cluster, arrival)")
+    parser.add_argument("--merge", default="auto", help="the decode merge to pin (auto, kernel, arrival)")
     parser.add_argument("--rows", type=int, nargs="*", default=None,
                         help="indices into the decode grid (default: all; none with --ragged: the ragged rows only)")
     parser.add_argument("--schedule", default="auto", help="the decode row order to pin (auto, rows, longest_first)")

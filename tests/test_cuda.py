@@ -583,17 +583,12 @@ def test_cuda_prefill_split_k(seq, dtype, head_dim, prefill_route):
         _run_cuda_and_cpu(case)
 
 
-def _cluster_merge_available():
-    return torch.cuda.get_device_capability()[0] == 9 and "9.0a" in gqa_torch.build_info()["cuda_archs"]
-
-
-@pytest.fixture(params=["auto", "kernel", "cluster", "arrival"])
+@pytest.fixture(params=["auto", "kernel", "arrival"])
 def decode_merge(request):
     """Runs the test with each way of merging the tensor-core decode kernel's splits: "auto"
-    (inside the launch: through a thread-block cluster for pairs of splits on an sm90 GPU in a
-    9.0a build, else by the last split to finish), "kernel" (the merge kernel), "cluster" (a
-    cluster wherever one can run, up to 16 splits) and "arrival" (the last split CTA to finish,
-    on any GPU)."""
+    (up to 16 splits inside the launch, by the last split to finish; else the merge kernel),
+    "kernel" (the merge kernel) and "arrival" (the last split CTA to finish, at every split
+    count)."""
     gqa_torch._C._set_decode_merge(request.param)
     yield request.param
     gqa_torch._C._set_decode_merge("auto")
@@ -603,8 +598,8 @@ def decode_merge(request):
 @pytest.mark.parametrize("batch,past", [(1, [4000]), (4, [1, 900, 3000, 257]), (2, [255, 256])])
 @pytest.mark.parametrize("op", ["inplace", "functional"])
 def test_cuda_decode(dtype, batch, past, op, decode_merge):
-    """Decode (S = 1) with short and long ragged rows: split-K and its merge (in a cluster or by
-    the merge kernel), every feature."""
+    """Decode (S = 1) with short and long ragged rows: split-K and its merge (by the last split
+    to finish or by the merge kernel), every feature."""
     for i, feat in enumerate(FEATURE_CYCLE):
         capacity = max(past) + 16
         case = make_case(op, batch=batch, seq=1, num_heads=8, kv_num_heads=[1, 2, 8][i % 3], head_dim=[64, 128][i % 2],
@@ -706,7 +701,7 @@ def _capture(call, warmups=1, during_capture=None):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("max_splits", [2, 3, 6, 16])
 def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
-    """Split counts from 2 to 16 (the cluster sizes the in-launch merge takes) with the smallest
+    """Split counts from 2 to 16 (up to auto's limit for the in-launch merge) with the smallest
     split one key, on rows of 1 to 700 keys: 9 keys in 6 splits of 2 leave the sixth split
     empty (zero weight), short rows use fewer splits than the grid has, one row one split (the
     kernel writes it directly), and every feature."""
@@ -744,7 +739,7 @@ def test_cuda_decode_arrival_merge_long_and_uneven_splits(dtype, head_dim):
 @pytest.mark.parametrize("dtype,schedule,merge,max_splits", [
     ("fp16", "auto", "auto", 0), ("bf16", "auto", "auto", 0), ("bf16", "rows", "auto", 0),
     ("fp16", "longest_first", "auto", 3), ("bf16", "longest_first", "kernel", 3),
-    ("bf16", "longest_first", "cluster", 2), ("bf16", "longest_first", "arrival", 5)])
+    ("bf16", "longest_first", "arrival", 2), ("bf16", "longest_first", "arrival", 5)])
 def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits):
     """A ragged batch of 48 rows of 8 kv heads (384 CTAs at one split a row, more than any
     GPU's SMs, and 2,100 keys of capacity), where the plan takes the rows longest first: rows
@@ -807,21 +802,20 @@ def _assert_each_matches_reference(outs, cases, befores):
         check_caches(before, case.cache_key, case.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
 
 
-@pytest.mark.parametrize("batch,head_dim,merge", [(8, 128, "kernel"), (8, 128, "auto"), (1, 128, "auto"),
-                                                  (1, 64, "auto"), (1, 256, "auto"), (1, 128, "cluster"),
-                                                  (1, 128, "arrival"), (1, 64, "arrival"), (8, 128, "arrival"),
-                                                  (1, 128, "kernel")])
-def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge):
-    """32/8 heads, B = 8 in 2 splits and B = 1 in 16 (the H200 plan's counts, pinned). "kernel" runs the
-    merge kernel after the decode kernel; "arrival" merges in the launch, by the last split to
-    finish; "cluster" in a cluster where one can run (an sm90 GPU, a 9.0a build; else the merge
-    kernel); "auto" pairs of splits in a cluster where one can run, else at head sizes 64 and 128
-    by the last split, and at head size 256 with the merge kernel."""
+@pytest.mark.parametrize("batch,head_dim,merge,splits", [
+    (8, 128, "kernel", 2), (8, 128, "auto", 2), (1, 128, "auto", 16), (1, 64, "auto", 16), (1, 256, "auto", 16),
+    (8, 96, "auto", 2), (1, 128, "auto", 17), (1, 128, "arrival", 16), (1, 64, "arrival", 16),
+    (8, 128, "arrival", 2), (1, 256, "arrival", 16), (1, 128, "arrival", 17), (1, 128, "kernel", 16),
+    (1, 256, "kernel", 16)])
+def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge, splits):
+    """32/8 heads, B = 8 in 2 splits and B = 1 in 16 (the H200 plan's counts) or 17, pinned.
+    "kernel" runs the merge kernel after the decode kernel; "arrival" merges in the launch, by
+    the last split to finish, at every head size and split count; "auto" does so up to 16
+    splits, and beyond runs the merge kernel."""
     case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=head_dim, capacity=2048,
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
-    in_launch = {"kernel": False, "arrival": True, "cluster": _cluster_merge_available(),
-                 "auto": (batch == 8 and _cluster_merge_available()) or head_dim in (64, 128)}[merge]
-    with _decode_pinned(merge, 2 if batch == 8 else 16):
+    in_launch = merge == "arrival" or (merge == "auto" and splits <= 16)
+    with _decode_pinned(merge, splits):
         names = _cuda_kernel_names(lambda: case.clone().run())
     if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
         pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
@@ -835,7 +829,7 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge):
 def test_cuda_graph_decode_replay_50_steps(merge, max_splits, schedule):
     """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
     inputs change: every replay is checked against the reference (output and caches). With the
-    plan's splits (2 here; auto merges them in a cluster where one can run) and with the splits
+    plan's splits (2 here; auto merges them in the launch, by the last to finish) and with the splits
     merged by the last one to finish, in 2 and in up to 5 splits (the captured arrival counters
     must be zero again after every replay); and with the rows taken longest first, which the
     captured kernel ranks anew from each replay's lengths."""
@@ -954,8 +948,8 @@ def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, dec
     """A bad row among valid ones on the tensor-core decode kernel (fused in place), with each
     loader and each merge: no cache byte changes (guard regions included), every output is NaN
     (a bad row anywhere poisons the fused call), a later valid call is NaN too while the word is
-    set, and check_errors() raises the capacity flag. Every row takes 2 splits (pinned), which auto
-    merges in a cluster: its error path, where every CTA of the cluster meets both barriers."""
+    set, and check_errors() raises the capacity flag. Every row takes 2 splits (pinned): the
+    merge's error path, where the last split to arrive (or the merge kernel) writes NaN."""
     gqa_torch._C._set_decode_split_override(2, 0)
     try:
         _check_bad_row_on_tensor_cores(dtype, head_dim)

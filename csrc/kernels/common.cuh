@@ -36,10 +36,6 @@ struct Work {
   // Decode on tensor cores: the grid's row index is a rank, and the CTA serves the batch row of
   // that rank in decreasing visible length (decode_schedule.cuh); 0: the row itself.
   int32_t longest_first = 0;
-  // Decode on tensor cores: the grid's x dimension (the splits) is one thread-block cluster, and
-  // its CTAs merge their partial outputs through distributed shared memory, so no merge kernel
-  // runs and partial_out / partial_lse are not used (decode_mma.cuh).
-  int32_t cluster_merge = 0;
   // Decode: the per-stream arrival counters (Params::arrival_counters), one per (row, kv head,
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
   // otherwise. They are zero between calls: the last CTA resets its counter.
@@ -76,32 +72,21 @@ struct Work {
 // so it is safe after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
 bool pdl_enabled();
 
-// `cluster_x` > 1: clusters of that many CTAs along x (grid.x must be a multiple of it; see
-// cluster.cuh for whether a shape runs), each spread over the SMs of its GPC (the policy made
-// no difference where measured, H200 decode).
+// Enqueues `kernel` (with programmatic dependent launch where pdl_enabled()); throws with the
+// kernel's `name` if the launch fails.
 template <typename... KArgs, typename... Args>
-void launch_kernel_clustered(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                             cudaStream_t stream, int cluster_x, Args... args) {
+void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[3];
+  cudaLaunchAttribute attr[1];
   int n = 0;
   if (pdl_enabled()) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster_x > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = static_cast<unsigned>(cluster_x);
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = 1;
-    ++n;
-    attr[n].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-    attr[n].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicySpread;
     ++n;
   }
   cfg.attrs = attr;
@@ -113,12 +98,6 @@ void launch_kernel_clustered(const char* name, void (*kernel)(KArgs...), dim3 gr
   }
   e = cudaGetLastError();
   if (e != cudaSuccess) throw_cuda(e, name);
-}
-
-template <typename... KArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, Args... args) {
-  launch_kernel_clustered(name, kernel, grid, block, smem, stream, 1, args...);
 }
 
 // Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is

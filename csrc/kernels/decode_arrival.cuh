@@ -3,8 +3,7 @@
 // Each split CTA of a (row, kv head, head chunk) writes its normalised partial output and
 // log-sum-exp to the workspace (as for the merge kernel), then counts itself in on the slot's
 // arrival counter. The CTA that arrives last reads every split's partials back from L2 and
-// writes the output. So no merge kernel runs, and no CTA waits for another (a thread-block
-// cluster keeps its CTAs resident until its slowest one finishes; eleventh H200 round).
+// writes the output. So no merge kernel runs, and no CTA waits for another.
 //
 // The counters (Params::arrival_counters) are zero before the call, and the last CTA of each
 // slot sets its counter back to zero. The next call on the stream touches them only after its

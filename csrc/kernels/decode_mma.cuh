@@ -11,10 +11,8 @@
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
-// partial output and log-sum-exp for the merge kernel, or (w.cluster_merge: the splits of one
-// (row, kv head, head chunk) form one thread-block cluster) the splits merge through
-// distributed shared memory (cluster_merge_splits) and no merge kernel runs, or (w.arrivals)
-// the last split CTA to finish merges them all (decode_arrival.cuh) and no merge kernel runs.
+// partial output and log-sum-exp, which the merge kernel combines or (w.arrivals) the last
+// split CTA to finish (decode_arrival.cuh), and then no merge kernel runs.
 //
 // `fused` (in-place op): no prep launch ran. Every CTA checks all rows itself (so a bad row
 // anywhere makes the whole call NaN, as the error word would), the CTA whose range holds the
@@ -23,7 +21,6 @@
 // read that cache row.
 #pragma once
 
-#include "cluster.cuh"
 #include "common.cuh"
 #include "decode_arrival.cuh"
 #include "decode_schedule.cuh"
@@ -70,9 +67,8 @@ struct DecodeCfg {
   static_assert(!kTma || D % 64 == 0, "the TMA boxes are 64 columns wide");
   static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
-  // The stages, once drained, hold the warps' combine buffer [kWarps][16][D] and after it the
-  // CTA's summed output rows [16][D] that a cluster merge reads (floats).
-  static_assert((kWarps + 1) * 16 * D * 4 <= kStages * kStageBytes, "combine buffers must fit in the stages");
+  // The stages, once drained, hold the warps' combine buffer [kWarps][16][D] (floats).
+  static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "the combine buffer must fit in the stages");
 };
 
 // The K and V cache maps of the TMA loader (unused by the cp.async one).
@@ -80,75 +76,6 @@ struct DecodeCacheMaps {
   CUtensorMap k;
   CUtensorMap v;
 };
-
-// w.cluster_merge: the cluster's CTAs (one per split, cluster rank = split) each hold their
-// split's state for the CTA's query heads: fin_ml (running max, log2 domain, and sum) and
-// x_out[16][D] (the output sum relative to that max). After a cluster barrier, the output rows'
-// float4 units are dealt round-robin over the active splits' threads; each such thread reads
-// its unit, with every active split's max and sum and every CTA's status, from the other CTAs'
-// shared memory (the loads come first in the source; ptxas puts some of the max between them),
-// combines them, and writes the output (NaN if any CTA of the cluster took the error path). A
-// second barrier keeps every CTA's shared memory alive until the last read. kPlain as the
-// decode kernel's.
-template <typename T, int D, int kThreads, bool kPlain>
-__device__ __forceinline__ void cluster_merge_splits(const Params& p, int active, int h0, int nh, T* out_row,
-                                                     const float2* fin_ml, const float* x_out,
-                                                     const uint32_t* x_status) {
-  cluster_sync();
-  const uint32_t ml_local = static_cast<uint32_t>(__cvta_generic_to_shared(fin_ml));
-  const uint32_t out_local = static_cast<uint32_t>(__cvta_generic_to_shared(x_out));
-  const uint32_t status_local = static_cast<uint32_t>(__cvta_generic_to_shared(x_status));
-  const int cluster_size = static_cast<int>(gridDim.x);
-  const int split = static_cast<int>(blockIdx.x);
-  constexpr int kUnitsPerRow = D / 4;
-  const int64_t head_stride = p.output_strides.head;
-  for (int i = static_cast<int>(threadIdx.x) * active + split; i < nh * kUnitsPerRow; i += kThreads * active) {
-    const int row = i / kUnitsPerRow;
-    const int d = 4 * (i - row * kUnitsPerRow);
-    float2 ml[kMaxClusterSize];
-    float4 part[kMaxClusterSize];
-    uint32_t status = 0;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSize; ++s) {
-      if (s < cluster_size) status |= cluster_load_u32(cluster_map(status_local, s));
-      if (s < active) {
-        const uint32_t ml_addr = cluster_map(ml_local + 8u * row, s);
-        ml[s] = make_float2(cluster_load_f32(ml_addr), cluster_load_f32(ml_addr + 4u));
-        part[s] = cluster_load_f32x4(cluster_map(out_local + 4u * (row * D + d), s));
-      }
-    }
-    float m = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSize; ++s) {
-      if (s < active) m = fmaxf(m, ml[s].x);
-    }
-    float l = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSize; ++s) {
-      if (s < active && ml[s].x != -INFINITY) {  // an empty split's x_out was never written
-        const float e = fast_exp2(ml[s].x - m);
-        l = fmaf(ml[s].y, e, l);
-        acc.x = fmaf(part[s].x, e, acc.x);
-        acc.y = fmaf(part[s].y, e, acc.y);
-        acc.z = fmaf(part[s].z, e, acc.z);
-        acc.w = fmaf(part[s].w, e, acc.w);
-      }
-    }
-    const float f = status != 0 ? quiet_nan() : final_factor_t<kPlain>(p, h0 + row, m, l);
-    store_scaled4<T>(out_row + (h0 + row) * head_stride + d, acc, f);
-  }
-  // Every value read above was used, so the reads are complete: no release needed (one would
-  // wait for the output stores).
-  cluster_sync_relaxed();
-}
-
-// The CTAs of a merging cluster that contribute nothing (past the row's active splits, or on
-// the error path) still meet both of its barriers.
-__device__ __forceinline__ void cluster_idle() {
-  cluster_sync();  // releases x_status
-  cluster_sync_relaxed();
-}
 
 // Diagnostics (Work::timeline, benchmarks/decode_timeline.py): thread 0 of a CTA that computes
 // stamps its record (kDecodeTimelineFields wide) with the GPU timer at entry and exit, its SM's
@@ -226,13 +153,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   if constexpr (kTma) stages += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(stages)) & 1023u)) & 1023u;
   T* kv_s = reinterpret_cast<T*>(stages);
   T* new_s = reinterpret_cast<T*>(stages + kStages * Cfg::kStageBytes);
-  // w.cluster_merge: this CTA's summed output rows [16][D], after the warps' combine buffer in
-  // the drained stages (the same address in every CTA, which the other CTAs map and read).
-  float* const x_out = reinterpret_cast<float*>(stages) + Cfg::kWarps * 16 * D;
   __shared__ float red_m[Cfg::kWarps][16];
   __shared__ float red_l[Cfg::kWarps][16];
   __shared__ float2 fin_ml[16];  // per query head: the CTA's running max (log2) and sum
-  __shared__ uint32_t x_status;  // w.cluster_merge: nonzero when this CTA took the error path
   __shared__ __align__(8) uint64_t slice_full[kTma ? Cfg::kWarps * kStages : 1];  // [warp][stage]
 
   decode_stamp(w, kDtEntryNs);
@@ -262,7 +185,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 
   // Work that reads nothing an earlier kernel writes runs before the PDL wait, under the tail of
   // the kernel before: this warp's stage barriers, and the tensor maps' prefetch.
-  if (tid == 0) x_status = 0u;
   const uint32_t slice_bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
   if constexpr (kTma) {
     if (lane == 0) {
@@ -520,13 +442,6 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
         out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
       }
     }
-    // The cluster's other CTAs take this path too (the row's flags and the row checks are the
-    // same for all of them), unless the error word changed between their reads of it (another
-    // stream's call): then they merge, see this status, and write NaN as well.
-    if (w.cluster_merge) {
-      if (tid == 0) x_status = 1u;
-      cluster_idle();
-    }
     // The arrival merge counts every active split in, this one too (its NaN log-sum-exps make
     // the merge write NaN, should another split have passed its checks).
     if (w.arrivals != nullptr && active > 1 && split < active) {
@@ -542,17 +457,9 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     return;
   }
 
-  if (split >= active) {
-    if (w.cluster_merge) cluster_idle();
-    return;
-  }
+  if (split >= active) return;
   const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
   if (k0 >= k1) {  // only possible with several splits: an empty tail split (zero weight)
-    if (w.cluster_merge) {
-      if (tid < 16) fin_ml[tid] = make_float2(-INFINITY, 0.f);
-      cluster_merge_splits<T, D, Cfg::kThreads, kPlain>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
-      return;
-    }
     for (int i = tid; i < nh * D; i += Cfg::kThreads) {
       const int r = i / D;
       const int64_t slot = part + static_cast<int64_t>(r) * w.max_splits;
@@ -930,9 +837,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     }
     const float M = fin_ml[row].x;
     const float L = fin_ml[row].y;
-    if (w.cluster_merge && active > 1) {
-      *reinterpret_cast<float4*>(x_out + row * D + d) = acc;
-    } else if (active == 1) {
+    if (active == 1) {
       const float f = final_factor_t<kPlain>(p, h0 + row, M, L);
       store_scaled4<T>(out_row + (h0 + row) * os.head + d, acc, f);
     } else {
@@ -943,13 +848,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (d == 0) w.partial_lse[slot] = M + fast_log2(L);
     }
   }
-  if (w.cluster_merge) {
-    if (active > 1) {
-      cluster_merge_splits<T, D, Cfg::kThreads, kPlain>(p, active, h0, nh, out_row, fin_ml, x_out, &x_status);
-    } else {
-      cluster_idle();
-    }
-  } else if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b), active)) {
+  if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b), active)) {
     arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
   decode_stamp(w, kDtExit);
@@ -962,17 +861,16 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 // run, 3 K by plain loads into registers and V by TMA where it can run (head sizes 64 and 128),
 // else as auto.
 extern std::atomic<int> g_decode_loader;
-// set_decode_merge (launch.cu): 0 auto (see launch_decode_loader), 1 the merge kernel always, 2
-// a cluster wherever one can run (else the merge kernel), 3 the last CTA to arrive wherever the
-// stream has arrival counters (else the merge kernel).
+// set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
+// 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
 extern std::atomic<int> g_decode_merge;
 // set_decode_features (launch.cu): 0 auto (the kPlain kernel for calls that use no feature it
 // compiles out), 1 the general kernel always.
 extern std::atomic<int> g_decode_features;
 
-// Returns whether the splits merged inside this launch (a cluster a (row, kv head, head chunk),
-// or the last CTA of each to arrive); otherwise, with several splits, the caller runs the merge
-// kernel. w.arrivals: the stream's counters when there are enough of them, else null.
+// Returns whether the splits merged inside this launch (the last CTA of each (row, kv head,
+// head chunk) to arrive); otherwise, with several splits, the caller runs the merge kernel.
+// w.arrivals: the stream's counters when there are enough of them, else null.
 template <typename T, int D, int kLoader, bool kPlain>
 bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = decode_head_chunks(p.group_size);
@@ -981,33 +879,25 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
   constexpr size_t smem = DecodeCfg<D, kLoader>::kSmem;
   ensure_smem<kernel>(smem, "decode_mma_kernel");
-  // Auto merges in a cluster only in pairs of splits, and only while every CTA of the launch is
-  // resident at once. On an H200 larger clusters lost to the merge kernel wherever they were
-  // measured (B1 L32768, clusters of 16: 53 us against 41; B8 L1024 in clusters of 4: 24
-  // against 18), as did pairs with more CTAs than fit (B8 L32768 in clusters of 8: 297 against
-  // 257); pairs that fit won (B8 L1024: 14.9 against 17.0).
-  constexpr int kAutoMaxCluster = 2;
-  const int merge = g_decode_merge.load(std::memory_order_relaxed);
-  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  const bool all_resident =
-      ctas <= static_cast<int64_t>(resident_ctas_per_sm<kernel>(block, smem)) * device_attribute<cudaDevAttrMultiProcessorCount>();
-  Work wk = w;
-  wk.cluster_merge = w.max_splits > 1 && (merge == 0 || merge == 2) && kBuiltSm90a && device_is_sm90() &&
-                     (merge == 2 || (w.max_splits <= kAutoMaxCluster && all_resident)) &&
-                     cluster_shape_runs<kernel>(w.max_splits, block, smem);
-  // Where no cluster merges, auto has the last split merge at head sizes 64 and 128 and up to
-  // 16 splits: interleaved on an H200 (twenty-first round) it beat the merge kernel by 2-3% at
-  // B1 L8192 and L32768 (16 splits) and tied at B1 L1024 and B8 L32768. At 14/2/64 (D = 64) it
-  // lost 10% at 16 splits then; since the count is one acquire-release atomic (twenty-sixth
-  // round) it wins there, 4.57 against 4.87 us. At 66 splits it lost 29%, and still loses
-  // (11.7 against 10.3): the last CTA's serial merge is 5 rounds of loads where the merge
-  // kernel spreads them over 14 CTAs.
+  // Auto has the last split merge up to 16 splits: interleaved on an H200 (twenty-first round)
+  // it beat the merge kernel by 2-3% at B1 L8192 and L32768 (16 splits) and tied at B1 L1024 and
+  // B8 L32768. At 14/2/64 (D = 64) it lost 10% at 16 splits then; since the count is one
+  // acquire-release atomic (twenty-sixth round) it wins there, 4.57 against 4.87 us. At 66
+  // splits it lost 29%, and still loses (11.7 against 10.3): the last CTA's serial merge is 5
+  // rounds of loads where the merge kernel spreads them over 14 CTAs. At head sizes 96 and 256
+  // (twenty-ninth round, interleaved, arrival / merge kernel): B8 32/8/96 L1024 (2 splits) 11.3
+  // / 12.7 us, B8 32/8/256 L1024 34.7 / 36.0, B1 32/8/256 L8192 (16 splits) 35.8 / 36.9.
+  // (Until the twenty-ninth round pairs of splits merged in a thread-block cluster where every
+  // CTA was resident at once; that code was a quarter of the kernel, and without it the warps,
+  // which wait for instructions to be fetched at B = 1, ran 2-3% faster on every latency row:
+  // NOTES.md.)
   constexpr int kAutoMaxArrivalSplits = 16;
-  const bool auto_arrival = (D == 64 || D == 128) && w.max_splits <= kAutoMaxArrivalSplits;
-  if (wk.cluster_merge || w.max_splits <= 1 || !(merge == 3 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
-  launch_kernel_clustered("decode_mma_kernel", kernel, grid, block, smem, stream, wk.cluster_merge ? w.max_splits : 1, p,
-                          wk, fused ? 1 : 0, maps);
-  return wk.cluster_merge != 0 || wk.arrivals != nullptr;
+  const int merge = g_decode_merge.load(std::memory_order_relaxed);
+  const bool auto_arrival = w.max_splits <= kAutoMaxArrivalSplits;
+  Work wk = w;
+  if (w.max_splits <= 1 || !(merge == 2 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
+  launch_kernel("decode_mma_kernel", kernel, grid, block, smem, stream, p, wk, fused ? 1 : 0, maps);
+  return wk.arrivals != nullptr;
 }
 
 // The kPlain kernel where the call uses none of the features it compiles out.

@@ -25,7 +25,8 @@ void launch_prep(const Params& p, bool check_positions, cudaStream_t stream, boo
 
 // decode_*.cu: S == 1 on tensor cores. `fused`: in-place op, the kernel also validates the
 // rows and appends the new K/V itself (no prep launch). Returns whether the kernel merged its
-// splits itself (thread-block clusters); otherwise, with several splits, launch_merge follows.
+// splits itself (the last split CTA to finish); otherwise, with several splits, launch_merge
+// follows.
 bool launch_decode_mma_bf16(const Params& p, const Work& w, bool fused, cudaStream_t stream);
 bool launch_decode_mma_fp16(const Params& p, const Work& w, bool fused, cudaStream_t stream);
 

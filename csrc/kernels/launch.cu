@@ -3,8 +3,8 @@
 //   decode, in-place, tensor-core eligible:  decode_mma(fused)          [+ merge]
 //   (the rows of a large batch taken longest first: set_decode_schedule)
 //   decode, otherwise:                       prep -> decode_mma|generic [+ merge]
-//   (decode_mma merges its own splits, with no merge kernel, in a thread-block cluster or in the
-//   last split CTA to finish, when launch_decode_loader picks that: see set_decode_merge)
+//   (decode_mma merges its own splits, with no merge kernel, in the last split CTA to finish,
+//   when launch_decode_kernel picks that: see set_decode_merge)
 //   prefill:                    [validate] -> prep -> prefill_mma (prefill_mma.cu) [+ merge]|generic
 //   (in place without RoPE, prefill_mma appends the rows with no past itself, and prep only
 //   checks them: prefill_mma_appends)

@@ -20,12 +20,10 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // and V by TMA where that can run (head sizes 64 and 128).
 void set_decode_loader(int loader);
 
-// Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (inside
-// the launch: through a thread-block cluster of the splits when they are two and every CTA of
-// the launch is resident at once, on an sm90 device in an sm90a build; else, at head size 128
-// and up to 16 splits, by the last split CTA to finish, where the stream has arrival counters;
-// else the merge kernel), 1 the merge kernel always, 2 a cluster wherever one can run (at most
-// 16 splits), 3 the last CTA to finish wherever the stream has arrival counters.
+// Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (up to
+// 16 splits, inside the launch by the last split CTA to finish, where the stream has arrival
+// counters; else the merge kernel), 1 the merge kernel always, 2 the last CTA to finish
+// wherever the stream has arrival counters.
 void set_decode_merge(int merge);
 
 // Tests and benchmarks: the order in which the tensor-core decode kernel takes the batch's

@@ -59,10 +59,9 @@ void set_prefill_append(const std::string& append);
 void set_decode_loader(const std::string& loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's key-range splits are merged, "auto"
-// (the default: see kernels/launch.h), "kernel" (the merge kernel always), "cluster" (inside
-// the launch, through a thread-block cluster of the splits, wherever one can run: sm90, an
-// sm90a build, at most 16 splits) or "arrival" (inside the launch, by the last split CTA to
-// finish, wherever the stream has arrival counters). No-op in a CPU-only build.
+// (the default: see kernels/launch.h), "kernel" (the merge kernel always) or "arrival" (inside
+// the launch, by the last split CTA to finish, wherever the stream has arrival counters).
+// No-op in a CPU-only build.
 void set_decode_merge(const std::string& merge);
 
 // Tests and benchmarks: the order in which the tensor-core decode kernel takes the batch's

@@ -127,7 +127,7 @@ void set_decode_loader(const std::string& loader) {
 
 void set_decode_merge(const std::string& merge) {
   // The index is the merge code of kernels/launch.h.
-  static const char* const kMerges[] = {"auto", "kernel", "cluster", "arrival"};
+  static const char* const kMerges[] = {"auto", "kernel", "arrival"};
   set_switch(kMerges, merge, "decode merge", GQA_CUDA_SWITCH(set_decode_merge));
 }
 

@@ -38,9 +38,9 @@ PYBIND11_MODULE(_C, m) {
         "\"regs_k\".");
   m.def("_set_decode_merge", &gqa::set_decode_merge, pybind11::arg("merge"),
         "Tests and benchmarks: how the decode kernel's key-range splits are merged, \"auto\" (the default: "
-        "inside the launch, pairs of splits through a thread-block cluster where one can run, else by the "
-        "last split to finish), \"kernel\" (the merge kernel always), \"cluster\" (a cluster wherever one "
-        "can run) or \"arrival\" (the last split to finish, wherever the stream has arrival counters).");
+        "up to 16 splits by the last split to finish, else by the merge kernel), "
+        "\"kernel\" (the merge kernel always) or \"arrival\" (the last split to finish, wherever the stream "
+        "has arrival counters).");
   m.def("_set_decode_schedule", &gqa::set_decode_schedule, pybind11::arg("schedule"),
         "Tests and benchmarks: the order in which the decode kernel takes the batch's rows, \"auto\" (the "
         "default: longest first where the plan says so), \"rows\" (row order) or \"longest_first\" (decreasing "
