@@ -889,7 +889,7 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   // / 12.7 us, B8 32/8/256 L1024 34.7 / 36.0, B1 32/8/256 L8192 (16 splits) 35.8 / 36.9.
   // (Until the twenty-ninth round pairs of splits merged in a thread-block cluster where every
   // CTA was resident at once; that code was a quarter of the kernel, and without it the warps,
-  // which wait for instructions to be fetched at B = 1, ran 2-3% faster on every latency row:
+  // which wait for instructions to be fetched at B = 1, ran 2-4% faster on every latency row:
   // NOTES.md.)
   constexpr int kAutoMaxArrivalSplits = 16;
   const int merge = g_decode_merge.load(std::memory_order_relaxed);
