@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How the decode kernel's splits are best merged (device only): µs a call with the merge
 kernel and with the in-launch merge (the last split to finish), at the plan's split count and
-at 8 and 4 splits, on the rows where the two differ most. Prints one line a row; CUDA-graph timing, inputs
-rotated beyond L2, as bench_decode.py.
+at 8 and 4 splits, on the rows where the two differ most. Prints one line a row; CUDA-graph
+timing, inputs rotated beyond L2, as bench_decode.py.
 
     python3 benchmarks/sweep_decode_merge.py
 """

@@ -829,10 +829,10 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge, spli
 def test_cuda_graph_decode_replay_50_steps(merge, max_splits, schedule):
     """A decode step captured once and replayed 50 times while seqlens_k, position_ids and the
     inputs change: every replay is checked against the reference (output and caches). With the
-    plan's splits (2 here; auto merges them in the launch, by the last to finish) and with the splits
-    merged by the last one to finish, in 2 and in up to 5 splits (the captured arrival counters
-    must be zero again after every replay); and with the rows taken longest first, which the
-    captured kernel ranks anew from each replay's lengths."""
+    plan's splits (2 here; auto merges them in the launch, by the last to finish) and with the
+    splits merged by the last one to finish, in 2 and in up to 5 splits (the captured arrival
+    counters must be zero again after every replay); and with the rows taken longest first,
+    which the captured kernel ranks anew from each replay's lengths."""
     with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
         _graph_decode_replay_50_steps()
 
