@@ -31,6 +31,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # the system compiler, which shares the libstdc++ that torch loads.
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 steps=${*:-build test sanitize bench prefill}
+# The tree without its build outputs, into directory $1 (a copy to build another way).
+copy_tree() { tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$1"; }
 status=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 
@@ -157,7 +159,7 @@ for step in $steps; do
       for patch in ${GQA_VARIANTS:-}; do
         vt=/tmp/gqa_variant_$i; patch_path=$PWD/$patch; log=$OUT/variant$i.log
         rm -rf "$vt"; mkdir -p "$vt"
-        tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$vt"
+        copy_tree "$vt"
         (cd "$vt" && patch -p1 < "$patch_path" > "$log" 2>&1 && TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} \
           MAX_JOBS=${MAX_JOBS:-16} GQA_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace >> "$log" 2>&1 \
           && touch .built || touch .failed) &
@@ -197,7 +199,7 @@ for step in $steps; do
       for _ in $(seq 600); do [ -e "$tl/.building" ] && [ ! -e "$tl/.built" ] || break; sleep 1; done
       if [ ! -e "$tl/.built" ]; then
         rm -rf "$tl"; mkdir -p "$tl"; touch "$tl/.building"
-        tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$tl"
+        copy_tree "$tl"
         (cd "$tl" && GQA_DECODE_TIMELINE=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} \
           GQA_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace) > "$OUT/dtimeline_build.log" 2>&1 \
           || { echo "TIMELINE BUILD FAILED"; tail -20 "$OUT/dtimeline_build.log"; rm -f "$tl/.building"; status=1; continue; }
