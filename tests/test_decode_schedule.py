@@ -35,6 +35,24 @@ def test_decode_plan_takes_rows_longest_first_with_more_ctas_than_sms(batch, hq,
     assert (plan["max_splits"], plan["longest_first"]) == (max_splits, longest_first)
 
 
+@pytest.mark.parametrize("batch,capacity,max_splits_128,max_splits_256", [
+    (8, 1024, 2, 4),    # splits of 256 keys two CTAs an SM at head size 256 only
+    (8, 512, 2, 2),     # ... not of 128
+    (1, 8192, 16, 16),  # 33 splits would hold 248 keys
+    (1, 1024, 16, 16),
+    (8, 8192, 4, 4),    # 2,048 keys: two CTAs an SM at every head size
+])
+def test_decode_plan_takes_two_ctas_an_sm_from_shorter_splits_at_head_size_256(batch, capacity, max_splits_128,
+                                                                                 max_splits_256):
+    """At head size 256 a decode CTA has two warps, so the plan takes two CTAs an SM from splits
+    of 256 keys of capacity, where other head sizes need 2,048 (32 query and 8 kv heads)."""
+    assert _C._decode_plan(batch, 32, 8, capacity, 132)["max_splits"] == max_splits_128
+    assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=128)["max_splits"] == max_splits_128
+    assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256)["max_splits"] == max_splits_256
+
+
 def test_decode_plan_refuses_bad_shapes():
     with pytest.raises(ValueError, match="expected positive sizes with kv_heads dividing q_heads"):
         _C._decode_plan(2, 6, 4, 100, 132)
+    with pytest.raises(ValueError, match="expected positive sizes with kv_heads dividing q_heads"):
+        _C._decode_plan(2, 8, 4, 100, 132, head_dim=0)

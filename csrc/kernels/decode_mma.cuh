@@ -947,8 +947,12 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // takes TMA everywhere: with the maps promoting 128 bytes it beat cp.async where cp.async had
   // won, on long splits with one CTA an SM (twenty-seventh round, call 3, interleaved, TMA /
   // cp.async: B8 L8192 64.9 / 69.2, B1 L32768 35.0 / 36.7); short splits already favoured it
-  // (twenty-fourth round).
-  const bool auto_tma = D == 256 || D == 128;
+  // (twenty-fourth round). At D = 256 auto takes TMA only with at least as many CTAs as SMs:
+  // with fewer, cp.async read faster (thirtieth round, one run, interleaved, cp.async / TMA:
+  // B1 32/8/256 L8192 33.9 / 35.9 us, B1 16/8/256 L8192 32.2 / 34.0, B8 32/8/256 L1024 in 2
+  // splits 32.5 / 34.8, B1 32/8/256 L1024 12.0 / 12.1), and with more TMA did (B8 32/8/256
+  // L8192, 256 CTAs: 143 / 138).
+  const bool auto_tma = D == 128 || (D == 256 && many_ctas);
   if constexpr (D % 64 == 0) {
     if (tma && (pinned == 2 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }

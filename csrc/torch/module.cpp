@@ -62,8 +62,10 @@ PYBIND11_MODULE(_C, m) {
         "decode kernel (the TMA maps' L2 promotion), \"auto\" (the default: the aligned 128 bytes around each), "
         "\"sectors\" (only those read), \"128B\" or \"256B\". Its cp.async copies and its K loads into registers "
         "always ask for 128 bytes.");
-  m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count) {
-    if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0)
+  m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count,
+                           int32_t head_dim) {
+    if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0 ||
+        head_dim <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
     gqa::Params p;
     p.batch = batch;
@@ -71,7 +73,7 @@ PYBIND11_MODULE(_C, m) {
     p.q_heads = q_heads;
     p.kv_heads = kv_heads;
     p.group_size = q_heads / kv_heads;
-    p.head_dim = 128;
+    p.head_dim = head_dim;
     p.capacity = capacity;
     gqa::DeviceInfo device;
     device.sm_count = sm_count;
@@ -82,7 +84,7 @@ PYBIND11_MODULE(_C, m) {
     out["longest_first"] = plan.longest_first;
     return out;
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
-        pybind11::arg("sm_count"), "Tests: the decode plan's split counts and row order for these shapes (core/plan.cpp), on the host.");
+        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, "Tests: the decode plan's split counts and row order for these shapes (core/plan.cpp), on the host.");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
