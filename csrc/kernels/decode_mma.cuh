@@ -6,7 +6,8 @@
 // [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
 // row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
 // own 16 keys, on sm90 at head sizes 64/128/256, with K instead loaded straight into registers
-// at 64/128 when two CTAs an SM or more stream; by cp.async, the whole CTA, elsewhere), and
+// at 64/128 when two CTAs an SM or more stream; by cp.async, the whole CTA, elsewhere: auto's
+// choices are in launch_decode_mma_d), and
 // each warp multiplies its 16 keys of a tile with mma.sync m16n8k16:
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
@@ -856,10 +857,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
-// head sizes 128 and 256; at 64, K by plain loads and V by TMA with more CTAs than SMs and 2,048
-// keys of capacity a split or more; cp.async elsewhere), 1 cp.async always, 2 TMA where it can
-// run, 3 K by plain loads into registers and V by TMA where it can run (head sizes 64 and 128),
-// else as auto.
+// head size 128, and at 256 with at least as many CTAs as SMs; at 64, K by plain loads and V by
+// TMA with more CTAs than SMs and 2,048 keys of capacity a split or more; cp.async elsewhere),
+// 1 cp.async always, 2 TMA where it can run, 3 K by plain loads into registers and V by TMA
+// where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).

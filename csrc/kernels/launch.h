@@ -14,10 +14,11 @@ namespace cuda {
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
-// sm90a build: TMA onto per-warp mbarriers at head sizes 128 and 256; at 64 "regs_k" where more
-// CTAs than SMs stream long key ranges; cp.async otherwise), 1 cp.async always, 2 TMA where it
-// can run (head sizes 64, 128 and 256), 3 ("regs_k") K by plain loads into the mma fragments
-// and V by TMA where that can run (head sizes 64 and 128).
+// sm90a build: TMA onto per-warp mbarriers at head size 128, and at 256 where the grid has at
+// least as many CTAs as SMs; at 64 "regs_k" where more CTAs than SMs stream long key ranges;
+// cp.async otherwise), 1 cp.async always, 2 TMA where it can run (head sizes 64, 128 and 256),
+// 3 ("regs_k") K by plain loads into the mma fragments and V by TMA where that can run (head
+// sizes 64 and 128).
 void set_decode_loader(int loader);
 
 // Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (up to
