@@ -16,7 +16,9 @@ middle, replays it, and reports:
 - the start: how long after the first release the last CTA of the first wave was released,
   and the tail: from the median CTA exit to the last, and how many SMs sat idle for how long
   at the end (the mean over SMs of the last exit minus the SM's own last exit);
-- the GPU timer's resolution seen (the smallest step between distinct stamps).
+- the GPU timer's resolution seen (the smallest step between distinct stamps);
+- the spread of CTAs of equal work: each one's tile rate, alone on its SM or sharing it, in
+  the first dispatch wave or a later one, by split index, and where the slowest tenth ran.
 
     python3 decode_timeline.py --rows 0 4 6 11
 
@@ -118,6 +120,50 @@ def report(shape, rec, period_us):
           f"of the first")
     print(f"  tail: median exit to last {(max(exits) - statistics.median(exits)) / 1e3:.2f} us; "
           f"SMs idle at the end {statistics.mean(idle_end):.2f} us on average (max {max(idle_end):.2f})")
+    spread(cols, ghz, t0)
+
+
+def spread(cols, ghz, t0):
+    """Why CTAs of equal work finish at different times (the many-CTA rows' tails): each CTA's
+    tile rate (tiles per µs of its tile loop), split by whether its SM ran another CTA of the
+    call through at least half of that loop, by dispatch wave and by split index, and where the
+    slowest tenth ran."""
+    tiles = [v & 0xFFFFFFFF for v in cols["sm_tiles"]]
+    sms = [v >> 32 for v in cols["sm_tiles"]]
+    splits = [v & 0xFFFF for v in cols["cta"]]
+    # The tile loop on the GPU timer: SM-clock stamps placed by the CTA's own entry on both clocks.
+    start = [n0 + (q - e) / ghz for n0, e, q in zip(cols["entry_ns"], cols["entry"], cols["q_ready"])]
+    end = [n0 + (l - e) / ghz for n0, e, l in zip(cols["entry_ns"], cols["entry"], cols["loop_done"])]
+    rate = [t / ((b - a) / 1e3) if b > a else float("nan") for t, a, b in zip(tiles, start, end)]
+    by_sm = {}
+    for i, sm in enumerate(sms):
+        by_sm.setdefault(sm, []).append(i)
+
+    def shared(i):
+        own = end[i] - start[i]
+        return any(min(end[i], end[j]) - max(start[i], start[j]) >= own / 2 for j in by_sm[sms[i]] if j != i)
+
+    def med(idx):
+        vals = [rate[i] for i in idx if rate[i] == rate[i]]
+        return f"{statistics.median(vals):.3f} ({len(vals)})" if vals else "- (0)"
+
+    every = range(len(rate))
+    alone = [i for i in every if not shared(i)]
+    paired = [i for i in every if shared(i)]
+    first = [i for i in every if cols["entry_ns"][i] <= t0]
+    later = [i for i in every if cols["entry_ns"][i] > t0]
+    ranked = sorted((i for i in every if rate[i] == rate[i]), key=lambda i: rate[i])
+    slow = ranked[: max(1, len(ranked) // 10)]
+    sm_rate = sorted((statistics.mean(rate[i] for i in idx), sm) for sm, idx in by_sm.items())
+    print(f"  tile rate, tiles/us (min/median/max): {min(rate):.3f} / {statistics.median(rate):.3f} / {max(rate):.3f}; "
+          f"median alone on its SM {med(alone)}, sharing it {med(paired)}; first wave {med(first)}, later {med(later)}")
+    by_split = {}
+    for i in every:
+        by_split.setdefault(splits[i], []).append(i)
+    print("  by split index: " + ", ".join(f"{k}: {med(v)}" for k, v in sorted(by_split.items())[:16]))
+    print(f"  slowest tenth ({len(slow)} CTAs): on {len({sms[i] for i in slow})} SMs, "
+          f"{sum(1 for i in slow if shared(i))} sharing their SM, {sum(1 for i in slow if i in later)} of a later wave; "
+          f"slowest SMs {[(sm, round(r, 3)) for r, sm in sm_rate[:5]]}, fastest {[(sm, round(r, 3)) for r, sm in sm_rate[-5:]]}")
 
 
 def main():
