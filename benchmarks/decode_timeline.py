@@ -155,15 +155,18 @@ def spread(cols, ghz, t0):
     ranked = sorted((i for i in every if rate[i] == rate[i]), key=lambda i: rate[i])
     slow = ranked[: max(1, len(ranked) // 10)]
     sm_rate = sorted((statistics.mean(rate[i] for i in idx), sm) for sm, idx in by_sm.items())
-    print(f"  tile rate, tiles/us (min/median/max): {min(rate):.3f} / {statistics.median(rate):.3f} / {max(rate):.3f}; "
-          f"median alone on its SM {med(alone)}, sharing it {med(paired)}; first wave {med(first)}, later {med(later)}")
+    print(f"  tile rate, tiles/us (min/median/max): {min(rate):.3f} / {statistics.median(rate):.3f} / "
+          f"{max(rate):.3f}; median alone on its SM {med(alone)}, sharing it {med(paired)}; "
+          f"first wave {med(first)}, later {med(later)}")
     by_split = {}
     for i in every:
         by_split.setdefault(splits[i], []).append(i)
     print("  by split index: " + ", ".join(f"{k}: {med(v)}" for k, v in sorted(by_split.items())[:16]))
+    later_set = set(later)
     print(f"  slowest tenth ({len(slow)} CTAs): on {len({sms[i] for i in slow})} SMs, "
-          f"{sum(1 for i in slow if shared(i))} sharing their SM, {sum(1 for i in slow if i in later)} of a later wave; "
-          f"slowest SMs {[(sm, round(r, 3)) for r, sm in sm_rate[:5]]}, fastest {[(sm, round(r, 3)) for r, sm in sm_rate[-5:]]}")
+          f"{sum(1 for i in slow if shared(i))} sharing their SM, {sum(1 for i in slow if i in later_set)} of a later "
+          f"wave; slowest SMs {[(sm, round(r, 3)) for r, sm in sm_rate[:5]]}, "
+          f"fastest {[(sm, round(r, 3)) for r, sm in sm_rate[-5:]]}")
 
 
 def main():
