@@ -148,8 +148,9 @@ def spread(cols, ghz, t0):
         return f"{statistics.median(vals):.3f} ({len(vals)})" if vals else "- (0)"
 
     every = range(len(rate))
-    alone = [i for i in every if not shared(i)]
-    paired = [i for i in every if shared(i)]
+    sharing = [shared(i) for i in every]  # (each CTA's SM scanned once)
+    alone = [i for i in every if not sharing[i]]
+    paired = [i for i in every if sharing[i]]
     first = [i for i in every if cols["entry_ns"][i] <= t0]
     later = [i for i in every if cols["entry_ns"][i] > t0]
     ranked = sorted((i for i in every if rate[i] == rate[i]), key=lambda i: rate[i])
@@ -164,7 +165,7 @@ def spread(cols, ghz, t0):
     print("  by split index: " + ", ".join(f"{k}: {med(v)}" for k, v in sorted(by_split.items())[:16]))
     later_set = set(later)
     print(f"  slowest tenth ({len(slow)} CTAs): on {len({sms[i] for i in slow})} SMs, "
-          f"{sum(1 for i in slow if shared(i))} sharing their SM, {sum(1 for i in slow if i in later_set)} of a later "
+          f"{sum(1 for i in slow if sharing[i])} sharing their SM, {sum(1 for i in slow if i in later_set)} of a later "
           f"wave; slowest SMs {[(sm, round(r, 3)) for r, sm in sm_rate[:5]]}, "
           f"fastest {[(sm, round(r, 3)) for r, sm in sm_rate[-5:]]}")
 

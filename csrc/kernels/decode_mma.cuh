@@ -7,8 +7,8 @@
 // row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
 // own 16 keys, on sm90 at head sizes 64/128/256, with K instead loaded straight into registers
 // at 64/128 when two CTAs an SM or more stream; by cp.async, the whole CTA, elsewhere: auto's
-// choices are in launch_decode_mma_d), and
-// each warp multiplies its 16 keys of a tile with mma.sync m16n8k16:
+// choices are in launch_decode_mma_d), and each warp multiplies its 16 keys of a tile with
+// mma.sync m16n8k16:
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
