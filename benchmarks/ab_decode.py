@@ -8,7 +8,8 @@ times our in-place call and SDPA cuDNN interleaved on the chosen rows of bench_d
 grid and any other shapes (CUDA-graph replays, inputs rotated beyond L2, as bench_decode.py),
 so that the ratio ours / cuDNN carries no drift of the clocks between runs. `--pins` adds our
 call with a switch pinned, interleaved with the rest: `splits=N` (the decode split count,
-_set_decode_split_override) or `merge=`, `loader=`, `schedule=` (the _set_decode_* switches).
+_set_decode_split_override) or `merge=`, `loader=`, `schedule=` (the _set_decode_* switches;
+`schedule=keep_splits` keeps the plan's splits for a batch of equal rows).
 Prints one line a row:
 
     python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 --pins merge=kernel splits=4

@@ -30,8 +30,9 @@ DTYPE = torch.bfloat16
 # The decode kernel's loaders timed beside the default ("ours"), one column each.
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "arrival"]
-# The decode kernel's row orders pinned (auto takes the rows longest first where the plan says so).
-SCHEDULE_COLUMNS = ["rows", "longest_first"]
+# The decode kernel's row orders pinned (auto takes the rows longest first where the plan says so,
+# and a batch of equal rows in fewer splits where it says so; keep_splits: in the plan's own).
+SCHEDULE_COLUMNS = ["rows", "longest_first", "keep_splits"]
 # The decode kernel with every feature compiled in (auto takes the build without RoPE, softcap,
 # windows, sinks and smooth softmax for these calls, which use none of them).
 FEATURE_COLUMNS = ["general"]

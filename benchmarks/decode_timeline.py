@@ -20,7 +20,9 @@ middle, replays it, and reports:
 - the spread of CTAs of equal work: each one's tile rate, alone on its SM or sharing it, in
   the first dispatch wave or a later one, by split index, and where the slowest tenth ran.
 
-    python3 decode_timeline.py --rows 0 4 6 11
+    python3 decode_timeline.py --rows 0 4 6 11 --pins schedule=keep_splits splits=1
+
+(`--pins`: the same rows again with a switch pinned, as ab_decode.py pins them.)
 
 Diagnostics only, and only in a build with the stamps compiled in (they cost the smallest calls
 even when off, so the default build has none):
@@ -75,7 +77,7 @@ def stamped_call(b, hq, hkv, d, length, calls):
     return rec, period
 
 
-def report(shape, rec, period_us):
+def report(shape, rec, period_us, label=""):
     """Prints the summary of one call's records (the module docstring's list)."""
     b, hq, hkv, d, length = shape
     cols = {name: rec[:, i].tolist() for i, name in enumerate(FIELDS)}
@@ -108,8 +110,12 @@ def report(shape, rec, period_us):
     def mmm(xs):
         return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
 
-    print(f"## B={b} {hq}/{hkv}/{d} L={length}: {n} CTAs on {len(last_exit_by_sm)} SMs, "
-          f"{statistics.mean(tiles):.1f} tiles a CTA (max {max(tiles)})")
+    per_sm = {}
+    for count in (sum(1 for s in sms if s == sm) for sm in last_exit_by_sm):
+        per_sm[count] = per_sm.get(count, 0) + 1
+    print(f"## B={b} {hq}/{hkv}/{d} L={length}{label}: {n} CTAs on {len(last_exit_by_sm)} SMs, "
+          f"{statistics.mean(tiles):.1f} tiles a CTA (max {max(tiles)}); SMs by their CTA count "
+          f"{dict(sorted(per_sm.items()))}")
     print(f"  period in the graph {period_us:.2f} us; span from the first release to the last exit {span_us:.2f} us")
     print(f"  SM clock {ghz:.3f} GHz; GPU timer step >= {min(steps) if steps else 0} ns")
     print(f"  wait before release (us, min/median/max): {mmm(waits)}")
@@ -174,7 +180,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[0, 4, 6, 11], help="indices into the decode grid")
     parser.add_argument("--calls", type=int, default=8, help="calls back to back in the graph")
+    parser.add_argument("--pins", nargs="*", default=[],
+                        help="each row again with a switch pinned, name=value (as ab_decode.py's --pins)")
     args = parser.parse_args()
+    from ab_decode import SWITCHES  # (imports gqa_torch, as this script does)
+    for pin in args.pins:
+        assert pin.count("=") == 1 and pin.split("=")[0] in SWITCHES, f"--pins: expected name=value, got {pin}"
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     if not gqa_torch.build_info().get("decode_timeline", False):
         raise SystemExit("decode_timeline.py: this build has no decode stamps; rebuild with "
@@ -183,12 +194,20 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for i in args.rows:
         shape = DECODE_GRID[i]
-        progress(f"timeline: B={shape[0]} L={shape[4]}")
-        rec, period = stamped_call(*shape, args.calls)
-        if len(rec) == 0:
-            print(f"## {shape}: no records (not the tensor-core decode kernel?)")
-            continue
-        report(shape, rec, period)
+        for pin in [None] + args.pins:
+            progress(f"timeline: B={shape[0]} L={shape[4]}" + (f", {pin}" if pin else ""))
+            if pin:
+                name, value = pin.split("=")
+                SWITCHES[name](value)
+            try:
+                rec, period = stamped_call(*shape, args.calls)
+            finally:
+                if pin:
+                    SWITCHES[name]("auto")
+            if len(rec) == 0:
+                print(f"## {shape}: no records (not the tensor-core decode kernel?)")
+                continue
+            report(shape, rec, period, f" ({pin})" if pin else "")
 
 
 if __name__ == "__main__":

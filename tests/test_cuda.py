@@ -761,6 +761,101 @@ def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits)
             _run_cuda_and_cpu(case)
 
 
+def _equal_rows_shape(kind):
+    """(batch, q heads, kv heads, capacity, plan) of a decode call whose plan, on this GPU, gives a
+    batch of equal rows fewer splits than a ragged batch (Plan::equal_rows_splits). "one": one CTA
+    a (row, kv head) fills the SMs (16 rows of 8 kv heads on an H200), so equal rows take one
+    split where the plan's 4,160 keys take two; "two_per_sm": half as many rows, where the chunks
+    of 4,096 keys take five splits and equal rows as many as fill two CTAs an SM (four on an
+    H200). Two query heads a kv head: the plan counts kv heads, and the float64 reference's time
+    query heads."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if kind == "one":
+        batch, hq, hkv, capacity = max(2, sms // 8), 16, 8, 4160
+    else:
+        batch, hq, hkv, capacity = max(2, sms // 16), 16, 8, 16448
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    assert plan["longest_first"] and 0 < plan["equal_rows_splits"] < plan["max_splits"], plan
+    assert (plan["equal_rows_splits"] == 1) == (kind == "one"), plan
+    return batch, hq, hkv, capacity, plan
+
+
+@pytest.mark.parametrize("kind,dtype,schedule,features", [
+    ("one", "bf16", "auto", slice(None)), ("one", "fp16", "auto", slice(1, None, 2)),
+    ("two_per_sm", "bf16", "auto", slice(0, 3)), ("one", "bf16", "keep_splits", slice(2, 4))])
+def test_cuda_decode_equal_rows_take_fewer_splits(kind, dtype, schedule, features):
+    """A batch whose rows all see as many keys takes the plan's fewer splits for equal rows (its
+    CTAs take their coordinates from the linear block index, and those past the working ones
+    leave), and the same batch with one row shorter takes the plan's own splits, merged in the
+    launch; "keep_splits" pins the plan's splits for both. Every feature in bf16 (a slice of them
+    elsewhere: the full caches' checks take most of the time), both ops and layouts, head sizes
+    128 (the TMA loader) and 64 (K loaded into registers), against the reference and the CPU
+    backend (under a local window every row sees the window's keys: equal rows again)."""
+    batch, hq, hkv, capacity, _ = _equal_rows_shape(kind)
+    with _decode_pinned(schedule=schedule):
+        for i, feat in list(enumerate(FEATURE_CYCLE))[features]:
+            past = [capacity - 60] * batch
+            if (i // 2) % 2:
+                past[batch // 2] = capacity // 2  # one shorter row: the batch's rows differ
+            case = make_case(["inplace", "functional"][i % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                             head_dim=[128, 64][i % 2], capacity=capacity, past_lengths=past, dtype=DTYPES[dtype],
+                             layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+
+
+def test_cuda_decode_equal_rows_bad_row():
+    """The bad-row checks where the batch ranks as equal rows (every row at the capacity, the bad
+    row's length past it clamped to it), so that the CTAs past the one split leave before any
+    check: still no cache byte changes, every output is NaN, and the capacity flag is raised."""
+    batch, hq, hkv, capacity, _ = _equal_rows_shape("one")
+    case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
+                     past_lengths=[capacity - 1] * batch, strided=True, dtype=torch.bfloat16, device="cuda",
+                     poison_unused=False)
+    case.seqlens_k[batch // 2] = capacity  # total capacity + 1
+    before = case.clone()
+    out = case.run()
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "every row of a fused call with a bad row must be NaN"
+    _assert_untouched_except_valid_rows(before, case, written_rows=[])
+    with pytest.raises(gqa_torch.GQAError) as info:
+        gqa_torch.check_errors()
+    assert info.value.flags == gerr.CAPACITY
+
+
+def test_cuda_graph_decode_replays_between_equal_and_unequal_rows():
+    """One captured in-place decode step (RoPE) replayed while its batch turns from equal rows
+    (one split) to unequal ones (two, merged by the last to arrive) and back: every replay matches
+    the reference, output and caches, so the arrival counters are zero again whichever count the
+    replay before took."""
+    batch, hq, hkv, capacity, _ = _equal_rows_shape("one")
+    case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
+                     past_lengths=[4000] * batch, rotary="half", max_positions=capacity + 5, dtype=torch.bfloat16,
+                     device="cuda", poison_unused=False)
+    static = case.clone()
+
+    def step():
+        return gqa_torch.group_query_attention_(static.query, static.key, static.value, static.cache_key,
+                                                static.cache_value, static.seqlens_k, static.cos_cache,
+                                                static.sin_cache, static.position_ids, static.head_sink,
+                                                **static.attrs)
+
+    graph, static_out = _capture(step, warmups=2)
+    rng = random.Random(11)
+    for equal in (True, False, True, False, False, True):
+        pasts = [capacity - 1 - rng.randint(0, 50)] * batch if equal else [
+            rng.randint(2000, capacity - 1) for _ in range(batch)]
+        static.seqlens_k.copy_(torch.tensor(pasts, dtype=torch.int32))  # total = past + 1
+        for t in (static.query, static.key, static.value):
+            t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+        before = static.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        gqa_torch.check_errors()
+        ref_out, ref_k, ref_v = before.reference()
+        assert_output_close(static_out, ref_out, before, suite="cuda_graph")
+        check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
 def _cuda_kernel_names(call):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()

@@ -51,6 +51,33 @@ def test_decode_plan_takes_two_ctas_an_sm_from_shorter_splits_at_head_size_256(b
     assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256)["max_splits"] == max_splits_256
 
 
+@pytest.mark.parametrize("batch,hq,hkv,capacity,max_splits,equal_rows_splits", [
+    (16, 64, 8, 8192, 2, 1),    # bench_decode.py's B16 64/8 row: 128 of 132 SMs at one split
+    (16, 64, 8, 4160, 2, 1),
+    (33, 4, 4, 4096, 2, 1),     # 132 CTAs a split: every SM
+    (30, 32, 4, 8192, 2, 1),    # 120 CTAs a split: 91% of the SMs
+    (29, 32, 4, 8192, 2, 0),    # 116: 88%, and two CTAs an SM would take the plan's 2 splits
+    (17, 64, 8, 8192, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM
+    (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
+    (8, 32, 8, 16448, 5, 4),
+    (32, 32, 8, 8192, 2, 1),    # 256 CTAs a split: one wave at two an SM
+    (8, 32, 8, 8192, 4, 0),     # 4 splits already fill two CTAs an SM
+    (4, 32, 8, 32768, 8, 0),    # ... and 8 here
+    (16, 64, 8, 2048, 1, 0),    # one split already (and one CTA an SM: no ranking)
+    (64, 32, 8, 8192, 1, 0),
+    (16, 256, 8, 8192, 2, 1),   # two head chunks: 256 CTAs a split, one wave at two an SM
+    (8, 32, 8, 1024, 2, 0),     # no ranking (all CTAs start at once)
+])
+def test_decode_plan_gives_equal_rows_one_wave(batch, hq, hkv, capacity, max_splits, equal_rows_splits):
+    """Where the plan takes more splits than one wave to spread a ragged batch's long rows
+    (chunks of 4,096 keys), a batch of equal rows takes fewer (the kernel tells it from its
+    ranking, so only with longest_first): one where one CTA a (row, kv head, head chunk) fills
+    90% of the 132 SMs or more, else as many as fill two CTAs an SM."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132)
+    assert (plan["max_splits"], plan["equal_rows_splits"]) == (max_splits, equal_rows_splits)
+    assert plan["longest_first"] or equal_rows_splits == 0
+
+
 def test_decode_plan_refuses_bad_shapes():
     with pytest.raises(ValueError, match="expected positive sizes with kv_heads dividing q_heads"):
         _C._decode_plan(2, 6, 4, 100, 132)

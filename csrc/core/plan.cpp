@@ -53,6 +53,20 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // capacity: a late short CTA costs little there, and the ranking did (B64 L1024, all rows
     // full: 74.6 us against 73.3).
     plan.longest_first = p.batch >= 2 && base_ctas * hchunks * splits > sms && p.capacity / splits >= 2048;
+    // A batch of equal rows needs no splits to spread its long rows: one wave does. Where one
+    // CTA a (row, kv head, head chunk) fills 90% of the SMs or more, one split (no merge at all);
+    // else as many as fill two CTAs an SM, where the chunks of 4,096 keys took more (H200,
+    // split pins, interleaved: B16 64/8 L8192 in 1 split 124.1-124.8 us against 2 in 128.0-128.3,
+    // twenty-ninth and thirty-first rounds; B8 32/8 L32768 in 4 splits 245.1 against 8 in 246.5,
+    // twenty-ninth round).
+    const int64_t slots = base_ctas * hchunks;
+    int64_t equal_splits = splits;
+    if (slots <= sms && 10 * slots >= 9 * sms) {
+      equal_splits = 1;
+    } else if (two_per_sm >= 1 && two_per_sm < splits) {
+      equal_splits = two_per_sm;
+    }
+    if (plan.longest_first && equal_splits < splits) plan.equal_rows_splits = static_cast<int32_t>(equal_splits);
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
     // query blocks, so few CTAs would each stream the whole cache while most SMs idle. Then

@@ -37,6 +37,11 @@ struct Plan {
   // CTAs of long rows are dispatched before those of short ones. Set where the launch has more
   // CTAs than SMs, two rows or more, and 2,048 keys of capacity a split or more.
   bool longest_first = false;
+  // Decode, with longest_first: the splits a row takes when every row of the batch sees as many
+  // keys (the device tells from its ranking), where that is fewer than max_splits; 0: none
+  // fewer. The plan's splits past one wave spread a ragged batch's long rows; equal rows have
+  // none to spread.
+  int32_t equal_rows_splits = 0;
   WorkspaceLayout workspace;
 };
 

@@ -36,6 +36,10 @@ struct Work {
   // Decode on tensor cores: the grid's row index is a rank, and the CTA serves the batch row of
   // that rank in decreasing visible length (decode_schedule.cuh); 0: the row itself.
   int32_t longest_first = 0;
+  // Decode on tensor cores with longest_first and the in-launch merge: the splits a row takes
+  // when every row of the batch sees as many keys, fewer than max_splits (Plan::
+  // equal_rows_splits; decode_schedule.cuh); 0: active_splits as for any batch.
+  int32_t equal_rows_splits = 0;
   // Decode: the per-stream arrival counters (Params::arrival_counters), one per (row, kv head,
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
   // otherwise. They are zero between calls: the last CTA resets its counter.

@@ -169,15 +169,19 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int split = blockIdx.x;
+  // The CTA's split, kv head x head chunk and row: the grid's own, or with w.longest_first the
+  // row of that rank in decreasing length (which reads seqlens_k only, before the PDL wait, and
+  // hands back the row's), and for a batch of equal rows that takes fewer splits than the grid
+  // has, coordinates from the linear block index (decode_schedule.cuh).
+  const DecodeCta cta = decode_cta<Cfg::kThreads>(p, w);
+  if (cta.leave) return;
+  const RankedRow& ranked = cta.ranked;
+  const int split = cta.split;
+  const int kv_chunk = cta.kv_chunk;  // kv head x head chunk
   const int G = p.group_size;
   const int hchunks = decode_head_chunks(G);
-  const int kvh = hchunks == 1 ? static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y) / hchunks;  // G <= 16: no division
-  const int hc = blockIdx.y - kvh * hchunks;
-  // The row: the grid's own, or the row of that rank in decreasing length (which reads
-  // seqlens_k only, before the PDL wait, and hands back the row's).
-  const RankedRow ranked = w.longest_first ? longest_first_row<Cfg::kThreads>(p, blockIdx.z)
-                                           : RankedRow{static_cast<int>(blockIdx.z), 0, 0};
+  const int kvh = hchunks == 1 ? kv_chunk : kv_chunk / hchunks;  // G <= 16: no division
+  const int hc = kv_chunk - kvh * hchunks;
   const int b = ranked.row;
   const int h0 = kvh * G + hc * 16;
   const int nh = min(16, G - hc * 16);
@@ -212,7 +216,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   // checks pass).
   const KeyRange vis = visible_keys(window, g.total, g.query_start);
   const int n = vis.hi - vis.lo;
-  const int active = active_splits(n, w.max_splits, w.min_split_keys);
+  const int active = active_splits(n, cta.splits, w.min_split_keys);
   const int chunk = (n + active - 1) / active;
   const int k0 = vis.lo + split * chunk;
   const int k1 = min(vis.hi, k0 + chunk);
@@ -431,7 +435,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (f == 0 && rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
       if (f != 0) {
         bad |= f;
-        if (bb == b && split == 0 && blockIdx.y == 0) atomicOr(p.error_word, f);
+        if (bb == b && split == 0 && kv_chunk == 0) atomicOr(p.error_word, f);
       }
     }
   }
@@ -448,7 +452,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
     if (w.arrivals != nullptr && active > 1 && split < active) {
       const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
       for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
-      if (arrive_last(arrival_counter(w, b), active)) {
+      if (arrive_last(arrival_counter(w, b, kv_chunk), active)) {
         for (int i = tid; i < nh * D; i += Cfg::kThreads) {
           const int r = i / D;
           out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
@@ -467,7 +471,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       w.partial_out[slot * D + (i - r * D)] = 0.f;
       if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
     }
-    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b), active))
+    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b, kv_chunk), active))
       arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
     return;
   }
@@ -774,7 +778,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
   if constexpr (!kTma) cp_async_wait<0>();  // (every TMA load was waited for in the loop)
   decode_stamp(w, kDtLoopDone);
   decode_stamp(w, kDtSmTiles, static_cast<unsigned>(ntiles));
-  decode_stamp(w, kDtCta, (static_cast<unsigned long long>(b) << 32) | (blockIdx.y << 16) | split);
+  decode_stamp(w, kDtCta, (static_cast<unsigned long long>(b) << 32) | (static_cast<unsigned>(kv_chunk) << 16) | split);
 
   // ---- merge the warps' states ---------------------------------------------------------
 #pragma unroll
@@ -849,7 +853,7 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       if (d == 0) w.partial_lse[slot] = M + fast_log2(L);
     }
   }
-  if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b), active)) {
+  if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b, kv_chunk), active)) {
     arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
   decode_stamp(w, kDtExit);
@@ -897,6 +901,7 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   const bool auto_arrival = w.max_splits <= kAutoMaxArrivalSplits;
   Work wk = w;
   if (w.max_splits <= 1 || !(merge == 2 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
+  if (wk.arrivals == nullptr || w.equal_rows_splits >= w.max_splits) wk.equal_rows_splits = 0;
   launch_kernel("decode_mma_kernel", kernel, grid, block, smem, stream, p, wk, fused ? 1 : 0, maps);
   return wk.arrivals != nullptr;
 }

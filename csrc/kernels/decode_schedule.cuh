@@ -8,6 +8,15 @@
 // start first and the short ones fill in behind them (longest processing time first). A batch
 // of equal rows keeps row order.
 //
+// A batch of equal rows (every row sees as many keys) may take fewer splits than the grid has,
+// Work::equal_rows_splits (the plan's splits spread a ragged batch's long rows, which such a
+// batch has none of). Then the CTAs take their coordinates from the linear block index, so that
+// the working ones come first in grid order and the rest leave at once: the SMs take a launch's
+// CTAs in that order, so the working CTAs spread evenly over the SMs. (Leaving CTAs interleaved
+// with working ones, as split-fastest coordinates would have them, gave some SMs two working
+// CTAs and others none: H200, thirty-first round, B16 64/8 L8192 131.7-132.3 us against 128.2
+// with the plan's 2 splits and 124.1 with one split a row in a grid of one.)
+//
 // Every CTA reads the whole batch's seqlens_k to rank them. They are read before the PDL wait
 // (pdl_early_read: no kernel of this extension writes seqlens_k).
 #pragma once
@@ -30,19 +39,22 @@ struct RankedRow {
   int row;
   int seqlen;  // its seqlens_k, so that the kernel need not read it again after the ranking
   int own;     // seqlens_k[threadIdx.x] (0 past the batch): the fused row checks start there
+  bool equal_rows;  // every row of the batch sees as many keys (false where nothing was ranked)
 };
 
 // The batch row of rank `rank`. Called by every thread of the CTA (it synchronises). Batches of
-// more rows than the CTA has threads keep row order.
+// more rows than the CTA has threads keep row order. `row_seqlens` (kThreads entries of shared
+// memory) receives every row's seqlens_k.
 template <int kThreads>
-__device__ RankedRow longest_first_row(const Params& p, int rank) {
+__device__ RankedRow longest_first_row(const Params& p, int rank, int* row_seqlens) {
   __shared__ int row_keys[kThreads];
   __shared__ int2 claim;
   const int tid = threadIdx.x;
   const int seqlen = tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
-  if (p.batch > kThreads) return RankedRow{rank, pdl_early_read(p.seqlens_k + rank), seqlen};
+  if (p.batch > kThreads) return RankedRow{rank, pdl_early_read(p.seqlens_k + rank), seqlen, false};
   const int mine = tid < p.batch ? schedule_row_keys(p, seqlen) : -1;
   row_keys[tid] = mine;
+  row_seqlens[tid] = seqlen;
   __syncthreads();
   // (keys, row) orders the rows totally, so the ranks are 0..B-1 once each and exactly one
   // thread claims `rank` (< B, the grid's rows).
@@ -54,8 +66,45 @@ __device__ RankedRow longest_first_row(const Params& p, int rank) {
     }
     if (before == rank) claim = make_int2(tid, seqlen);
   }
-  __syncthreads();
-  return RankedRow{claim.x, claim.y, seqlen};
+  // (The barrier that publishes the claim also tells whether every row matches row 0.)
+  const bool equal_rows = __syncthreads_and(tid >= p.batch || mine == row_keys[0]) != 0;
+  return RankedRow{claim.x, claim.y, seqlen, equal_rows};
+}
+
+// A decode CTA's coordinates: its split, its (kv head x head chunk) index and its row, with the
+// row's seqlens_k and the CTA's first row to check (RankedRow::own), and the row's bound on its
+// splits; leave: this CTA has no work (a batch of equal rows that takes fewer splits than the
+// grid has: see the top of this file).
+struct DecodeCta {
+  int split;
+  int splits;    // the most splits the row takes (active_splits' bound): w.max_splits, or fewer
+  int kv_chunk;  // kv head x head chunk, as blockIdx.y
+  RankedRow ranked;
+  bool leave;
+};
+
+template <int kThreads>
+__device__ DecodeCta decode_cta(const Params& p, const Work& w) {
+  if (!w.longest_first)
+    return DecodeCta{static_cast<int>(blockIdx.x), w.max_splits, static_cast<int>(blockIdx.y),
+                     RankedRow{static_cast<int>(blockIdx.z), 0, 0, false}, false};
+  __shared__ int row_seqlens[kThreads];
+  DecodeCta c{static_cast<int>(blockIdx.x), w.max_splits, static_cast<int>(blockIdx.y),
+              longest_first_row<kThreads>(p, blockIdx.z, row_seqlens), false};
+  if (w.equal_rows_splits > 0 && c.ranked.equal_rows) {
+    // Equal rows keep row order, so the rank is the row: the first equal_rows_splits x gridDim.y
+    // x rows CTAs in grid order take (split, kv chunk, row), split fastest; the others leave.
+    const int splits = w.equal_rows_splits;
+    c.splits = splits;
+    const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int item = splits == 1 ? linear : linear / splits;  // (kv head x head chunk, row)
+    c.leave = item >= static_cast<int>(gridDim.y * gridDim.z);
+    c.split = linear - item * splits;
+    c.ranked.row = item / gridDim.y;
+    c.kv_chunk = item - c.ranked.row * gridDim.y;
+    c.ranked.seqlen = c.leave ? 0 : row_seqlens[c.ranked.row];
+  }
+  return c;
 }
 
 }  // namespace detail

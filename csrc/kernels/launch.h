@@ -30,8 +30,9 @@ void set_decode_merge(int merge);
 // Tests and benchmarks: the order in which the tensor-core decode kernel takes the batch's
 // rows. 0 auto (longest first where the plan says so, Plan::longest_first: two rows or more,
 // more CTAs than SMs and long splits), 1 row order always, 2 longest first always (batches of
-// up to one row a thread of the CTA; larger ones keep row order). The generic kernel keeps row
-// order.
+// up to one row a thread of the CTA; larger ones keep row order), 3 as auto, but a batch of
+// equal rows keeps the plan's splits (auto takes Plan::equal_rows_splits). The generic kernel
+// keeps row order.
 void set_decode_schedule(int schedule);
 
 // Tests and benchmarks: which build of the tensor-core decode kernel runs. 0 auto (one compiled
