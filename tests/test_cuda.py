@@ -556,10 +556,17 @@ def test_cuda_prefill_kernel_append_bad_row(dtype, head_dim, prefill_append):
     case = make_case("inplace", batch=3, seq=300, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=400,
                      past_lengths=[0, 50, 0], strided=True, dtype=DTYPES[dtype], device="cuda", poison_unused=False)
     case.seqlens_k[1] = 400  # total 401 > capacity
+    _check_row_past_capacity_poisons_the_call(case, "a bad row anywhere makes every prefill output row NaN")
+
+
+def _check_row_past_capacity_poisons_the_call(case, message):
+    """Runs an in-place case with a row past the capacity: every output is NaN (`message`
+    otherwise), no cache byte changes (guard regions included), and check_errors() raises the
+    capacity flag alone."""
     before = case.clone()
     out = case.run()
     torch.cuda.synchronize()
-    assert torch.isnan(out).all(), "a bad row anywhere makes every prefill output row NaN"
+    assert torch.isnan(out).all(), message
     _assert_untouched_except_valid_rows(before, case, written_rows=[])
     with pytest.raises(gqa_torch.GQAError) as info:
         gqa_torch.check_errors()
@@ -812,14 +819,7 @@ def test_cuda_decode_equal_rows_bad_row():
                      past_lengths=[capacity - 1] * batch, strided=True, dtype=torch.bfloat16, device="cuda",
                      poison_unused=False)
     case.seqlens_k[batch // 2] = capacity  # total capacity + 1
-    before = case.clone()
-    out = case.run()
-    torch.cuda.synchronize()
-    assert torch.isnan(out).all(), "every row of a fused call with a bad row must be NaN"
-    _assert_untouched_except_valid_rows(before, case, written_rows=[])
-    with pytest.raises(gqa_torch.GQAError) as info:
-        gqa_torch.check_errors()
-    assert info.value.flags == gerr.CAPACITY
+    _check_row_past_capacity_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
 
 
 def test_cuda_graph_decode_replays_between_equal_and_unequal_rows():
@@ -832,28 +832,12 @@ def test_cuda_graph_decode_replays_between_equal_and_unequal_rows():
                      past_lengths=[4000] * batch, rotary="half", max_positions=capacity + 5, dtype=torch.bfloat16,
                      device="cuda", poison_unused=False)
     static = case.clone()
-
-    def step():
-        return gqa_torch.group_query_attention_(static.query, static.key, static.value, static.cache_key,
-                                                static.cache_value, static.seqlens_k, static.cos_cache,
-                                                static.sin_cache, static.position_ids, static.head_sink,
-                                                **static.attrs)
-
-    graph, static_out = _capture(step, warmups=2)
+    graph, static_out = _capture(lambda: _inplace_step(static), warmups=2)
     rng = random.Random(11)
     for equal in (True, False, True, False, False, True):
         pasts = [capacity - 1 - rng.randint(0, 50)] * batch if equal else [
             rng.randint(2000, capacity - 1) for _ in range(batch)]
-        static.seqlens_k.copy_(torch.tensor(pasts, dtype=torch.int32))  # total = past + 1
-        for t in (static.query, static.key, static.value):
-            t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
-        before = static.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        gqa_torch.check_errors()
-        ref_out, ref_k, ref_v = before.reference()
-        assert_output_close(static_out, ref_out, before, suite="cuda_graph")
-        check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+        _replay_with_fresh_inputs_and_check(graph, static, static_out, pasts)
 
 
 def _cuda_kernel_names(call):
@@ -1003,6 +987,27 @@ def test_cuda_decode_graph_beside_eager_calls_on_its_capture_stream():
     _assert_each_matches_reference(outs, eager, befores)
 
 
+def _inplace_step(static):
+    """The in-place op on a case's tensors, for capture: each replay reads and writes them."""
+    return gqa_torch.group_query_attention_(*static.op_args(), **static.attrs)
+
+
+def _replay_with_fresh_inputs_and_check(graph, static, static_out, pasts):
+    """Sets the captured step's lengths to `pasts` (total = past + 1) and its q, k and v to fresh
+    random values, replays it, and checks the output and the caches against the float64
+    reference of the state before the replay."""
+    static.seqlens_k.copy_(torch.tensor(pasts, dtype=torch.int32))
+    for t in (static.query, static.key, static.value):
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    before = static.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    gqa_torch.check_errors()
+    ref_out, ref_k, ref_v = before.reference()
+    assert_output_close(static_out, ref_out, before, suite="cuda_graph")
+    check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+
+
 def _graph_decode_replay_50_steps():
     B, Hq, Hkv, D, C = 3, 8, 2, 64, 96
     rng = random.Random(5)
@@ -1012,30 +1017,14 @@ def _graph_decode_replay_50_steps():
     static = case.clone()
     start_k, start_v = static.cache_key.clone(), static.cache_value.clone()
 
-    def step():
-        return gqa_torch.group_query_attention_(static.query, static.key, static.value, static.cache_key,
-                                                static.cache_value, static.seqlens_k, static.cos_cache,
-                                                static.sin_cache, static.position_ids, static.head_sink,
-                                                **static.attrs)
-
-    graph, static_out = _capture(step, warmups=2)
+    graph, static_out = _capture(lambda: _inplace_step(static), warmups=2)
     static.cache_key.copy_(start_k)
     static.cache_value.copy_(start_v)
     torch.cuda.synchronize()
 
-    for i in range(50):
-        pasts = [rng.randint(0, C - 1) for _ in range(B)]
-        static.seqlens_k.copy_(torch.tensor(pasts, dtype=torch.int32))  # total = past + 1
+    for _ in range(50):
         static.position_ids.copy_(torch.randint(0, 200, (B, 1), dtype=torch.int64))
-        for t in (static.query, static.key, static.value):
-            t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
-        before = static.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        gqa_torch.check_errors()
-        ref_out, ref_k, ref_v = before.reference()
-        assert_output_close(static_out, ref_out, before, suite="cuda_graph")
-        check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
+        _replay_with_fresh_inputs_and_check(graph, static, static_out, [rng.randint(0, C - 1) for _ in range(B)])
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
