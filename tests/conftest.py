@@ -546,7 +546,7 @@ def case_fingerprint(case: Case) -> bytes:
             h.update(f"{name}:none;".encode())
             continue
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.stride()};".encode())
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy())  # (its buffer, not a copy)
     return h.digest()
 
 
