@@ -795,7 +795,7 @@ def test_cuda_decode_equal_rows_take_fewer_splits(kind, dtype, schedule, feature
     CTAs take their coordinates from the linear block index, and those past the working ones
     leave), and the same batch with one row shorter takes the plan's own splits, merged in the
     launch; "keep_splits" pins the plan's splits for both. Every feature in bf16 (a slice of them
-    elsewhere: the full caches' checks take most of the time), both ops and layouts, head sizes
+    in the other settings, which differ from it in one thing each), both ops and layouts, head sizes
     128 (the TMA loader) and 64 (K loaded into registers), against the reference and the CPU
     backend (under a local window every row sees the window's keys: equal rows again)."""
     batch, hq, hkv, capacity, _ = _equal_rows_shape(kind)
