@@ -32,7 +32,8 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // of 256 keys: H200, thirtieth round, B8 32/8/256 L1024 in 4 splits 31.1 us against 34.8 in
     // 2 (8: 39.7); B1 32/8/256 L8192 keeps 16 (33 would hold 248 keys).
     const int64_t hchunks = decode_head_chunks(p.group_size);  // CTAs a kv head
-    const int64_t two_per_sm = 2 * sms / (base_ctas * hchunks > 0 ? base_ctas * hchunks : 1);
+    const int64_t slots = base_ctas * hchunks;                  // CTAs a split: (row, kv head, head chunk)
+    const int64_t two_per_sm = 2 * sms / (slots > 0 ? slots : 1);
     const int64_t two_per_sm_min_keys = p.head_dim == 256 ? 256 : 2048;
     if (two_per_sm > splits && p.capacity / two_per_sm >= two_per_sm_min_keys) splits = two_per_sm;
     if (splits < 1) splits = 1;
@@ -52,14 +53,13 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // capacity 8192, 172.8 to 161.9 (162.9). Not where the splits hold under 2,048 keys of
     // capacity: a late short CTA costs little there, and the ranking did (B64 L1024, all rows
     // full: 74.6 us against 73.3).
-    plan.longest_first = p.batch >= 2 && base_ctas * hchunks * splits > sms && p.capacity / splits >= 2048;
+    plan.longest_first = p.batch >= 2 && slots * splits > sms && p.capacity / splits >= 2048;
     // A batch of equal rows needs no splits to spread its long rows: one wave does. Where one
     // CTA a (row, kv head, head chunk) fills 90% of the SMs or more, one split (no merge at all);
     // else as many as fill two CTAs an SM, where the chunks of 4,096 keys took more (H200,
     // split pins, interleaved: B16 64/8 L8192 in 1 split 124.1-124.8 us against 2 in 128.0-128.3,
     // twenty-ninth and thirty-first rounds; B8 32/8 L32768 in 4 splits 245.1 against 8 in 246.5,
     // twenty-ninth round).
-    const int64_t slots = base_ctas * hchunks;
     int64_t equal_splits = splits;
     if (slots <= sms && 10 * slots >= 9 * sms) {
       equal_splits = 1;
