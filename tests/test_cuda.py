@@ -724,6 +724,22 @@ def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
         gqa_torch._C._set_decode_split_override(0, 0)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("max_splits", [66, 128])
+def test_cuda_decode_merge_kernel_many_splits(dtype, max_splits):
+    """The merge kernel over many splits (up to 128, the most: every warp's whole share of the
+    splits in one round of loads), at head sizes whose rows fit that round (40 on the generic
+    kernel, 64, 80, 128) and one that takes a second (256), fp32 on the generic kernel. Rows of
+    1 to 700 keys, so that short rows use fewer splits than the grid has (a warp with none at
+    all, and one split: the decode kernel writes the row), with every feature."""
+    with _decode_pinned("kernel", max_splits, 1):
+        for i, feat in enumerate(FEATURE_CYCLE):
+            case = make_case(["inplace", "functional"][i % 2], batch=5, seq=1, num_heads=[8, 20][i % 2],
+                             kv_num_heads=[2, 1][i % 2], head_dim=[64, 256, 80, 128, 40, 64][i], capacity=720,
+                             past_lengths=[0, 4, 9, 130, 699], dtype=DTYPES[dtype], layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_cuda_decode_arrival_merge_long_and_uneven_splits(dtype, head_dim):

@@ -138,11 +138,29 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
   }
 }
 
-// One CTA of 256 threads per (row, query head); S == 1 only. One split's weight per thread
-// (at most 128 splits), then each of the 8 warps sums every 8th split over float2 pairs of
-// dims, with independent loads in flight, and the warps' sums meet in shared memory.
+// One CTA of 256 threads per (row, query token, query head). Each split's weight comes from one
+// thread (at most 128 splits); each of the 8 warps sums every 8th split over float2 pairs of
+// dims, and the warps' sums meet in shared memory.
 constexpr int kMergeThreads = 256;
 constexpr int kMergeWarps = kMergeThreads / 32;
+// The loads of one round: every split (kMergeWarps x kMergeSplitsPerWarp >= 128, the most
+// splits) of kMergePairs column pairs a lane, that is the whole row at head sizes up to 128.
+constexpr int kMergeSplitsPerWarp = 16;
+constexpr int kMergePairs = 2;
+static_assert(kMergeWarps * kMergeSplitsPerWarp >= 128, "one round of loads covers every split");
+
+// L2 loads (the partials were written by other SMs) as volatile asm, so that the compiler keeps
+// them where they are written: ahead of the error word's test, whose round trip they share.
+__device__ __forceinline__ float2 ld_merge_pair(const float2* src) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(src));
+  return v;
+}
+__device__ __forceinline__ float ld_merge_lse(const float* src) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(src));
+  return v;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_constant__ Params p, const Work w) {
@@ -161,40 +179,66 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   const TokenStrides os = p.output_strides;
   T* out = static_cast<T*>(p.output) + b * os.batch + static_cast<int64_t>(s) * os.token + h * os.head;
   // The row's geometry and split count come from seqlens_k, read before the PDL wait
-  // (pdl_early_read): after the wait, only the error word and then the partials are on the path.
+  // (pdl_early_read): after the wait, only the error word and the partials are on the path.
   const RowGeometry g = row_geometry(p, pdl_early_read(p.seqlens_k + b));
   int active = w.max_splits;  // prefill split-K: every part wrote its partial (-inf where it saw no key)
+  bool merges;                // this row's splits need merging (decode: else the kernel wrote it)
   if (p.query_len == 1) {     // decode: the splits this row's length uses
     const KeyRange vis = visible_keys(p, g.total, g.query_start);
     active = active_splits(vis.hi - vis.lo, w.max_splits, w.min_split_keys);
+    merges = active > 1;
+  } else {
+    merges = s < g.valid_queries;  // first-prompt padding: exactly zero, below
   }
+  merges = merges && g.flags == 0;
   pdl_wait();
   pdl_launch_dependents();
 
-  if (read_error_word(p.error_word) != 0 || g.flags != 0) {
-    for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(quiet_nan());
-    return;
-  }
-  if (p.query_len == 1) {
-    if (active <= 1) return;  // the attention kernel wrote this row itself
-  } else if (s >= g.valid_queries) {  // first-prompt padding: exactly zero
-    for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(0.f);
-    return;
-  }
-
+  // One round of loads: the error word, the log-sum-exps and the partial outputs go out before
+  // any of them is used, so that the merge waits for one L2 round trip (it waited for three:
+  // the word, then the weights with the first splits, then the rest).
+  const uint32_t word = read_error_word(p.error_word);
   const int64_t base = static_cast<int64_t>(idx) * w.max_splits;
   const int n2 = D / 2;
   const float2* po = reinterpret_cast<const float2*>(w.partial_out + base * D);
-  constexpr int kBatch = 8;  // loads issued before their first use
-  // This warp's first batch of partial outputs (the lane's first column pair) goes out with the
-  // log-sum-exps: neither depends on the other, so their round trips overlap.
-  float2 first[kBatch];
+  float2 v[kMergePairs][kMergeSplitsPerWarp];
+  // Column pairs c0, c0 + 32, ... of every split this warp sums, zeros past its splits (a column
+  // past the row reads the row's last pair, never summed). Each address is one 32-bit
+  // multiply-add from the warp's first, and the only predicate is the split's: 64-bit products
+  // and a predicate a load made 400 instructions before the last load went out.
+  const int warp_splits = merges ? (active - warp + kMergeWarps - 1) / kMergeWarps : 0;
+  const int split_step = kMergeWarps * n2;  // float2 units between a warp's splits
+  const float2* const warp_po = po + static_cast<int64_t>(warp) * n2;
+  auto load_pairs = [&](int c0) {
 #pragma unroll
-  for (int u = 0; u < kBatch; ++u) {
-    const int sp = warp + u * kMergeWarps;
-    first[u] = lane < n2 && sp < active ? po[static_cast<int64_t>(sp) * n2 + lane] : make_float2(0.f, 0.f);
+    for (int j = 0; j < kMergePairs; ++j) {
+#pragma unroll
+      for (int u = 0; u < kMergeSplitsPerWarp; ++u) v[j][u] = make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kMergePairs; ++j) {
+      if (c0 - lane + 32 * j >= n2) break;  // (warp-uniform: no lane of the warp has this pair)
+      const float2* const src = warp_po + min(c0 + 32 * j, n2 - 1);
+#pragma unroll
+      for (int u = 0; u < kMergeSplitsPerWarp; ++u) {
+        if (u >= warp_splits) break;  // (warp-uniform)
+        v[j][u] = ld_merge_pair(src + u * split_step);
+      }
+    }
+  };
+  load_pairs(lane);
+  const float lse = merges && tid < active ? ld_merge_lse(w.partial_lse + base + tid) : -INFINITY;
+
+  if (word != 0 || g.flags != 0) {
+    for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(quiet_nan());
+    return;
   }
-  const float lse = tid < active ? w.partial_lse[base + tid] : -INFINITY;
+  if (!merges) {
+    if (p.query_len != 1)
+      for (int d = tid; d < D; d += kMergeThreads) out[d] = from_f<T>(0.f);
+    return;
+  }
+
   float m = warp_max(lse);
   if (lane == 0) s_red[warp] = m;
   __syncthreads();
@@ -218,27 +262,23 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   if (p.smooth_softmax) den += exp2f(-mx);
   const float inv = den > 0.f ? 1.f / den : 0.f;
 
-  for (int c = lane; c < n2; c += 32) {
-    float ax = 0.f, ay = 0.f;
-    for (int s0 = warp; s0 < active; s0 += kMergeWarps * kBatch) {
-      const bool prefetched = c == lane && s0 == warp;
-      float2 v[kBatch];
-      float ws[kBatch];
+  // Head sizes past 64 column pairs (256) take further rounds, one a kMergePairs pairs.
+  for (int c0 = lane; c0 < n2; c0 += 32 * kMergePairs) {
+    if (c0 != lane) load_pairs(c0);
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int sp = s0 + u * kMergeWarps;
-        const bool ok = sp < active;
-        ws[u] = ok ? s_w[sp] : 0.f;
-        v[u] = prefetched ? first[u] : ok ? po[static_cast<int64_t>(sp) * n2 + c] : make_float2(0.f, 0.f);
-      }
+    for (int j = 0; j < kMergePairs; ++j) {
+      const int c = c0 + 32 * j;
+      if (c >= n2) break;
+      float ax = 0.f, ay = 0.f;
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        ax = fmaf(ws[u], v[u].x, ax);
-        ay = fmaf(ws[u], v[u].y, ay);
+      for (int u = 0; u < kMergeSplitsPerWarp; ++u) {
+        const float ws = s_w[warp + u * kMergeWarps];  // 0 past the active splits
+        ax = fmaf(ws, v[j][u].x, ax);
+        ay = fmaf(ws, v[j][u].y, ay);
       }
+      macc[warp * D + 2 * c] = ax;
+      macc[warp * D + 2 * c + 1] = ay;
     }
-    macc[warp * D + 2 * c] = ax;
-    macc[warp * D + 2 * c + 1] = ay;
   }
   __syncthreads();
   for (int d = tid; d < D; d += kMergeThreads) {
