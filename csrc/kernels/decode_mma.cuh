@@ -892,6 +892,8 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   // rounds of loads where the merge kernel spreads them over 14 CTAs. At head sizes 96 and 256
   // (twenty-ninth round, interleaved, arrival / merge kernel): B8 32/8/96 L1024 (2 splits) 11.3
   // / 12.7 us, B8 32/8/256 L1024 34.7 / 36.0, B1 32/8/256 L8192 (16 splits) 35.8 / 36.9.
+  // The merge kernel's one round of loads (thirty-third round) left the limit where it was: at 16
+  // splits the arrival still wins, B1 L8192 12.1 against 12.8 us, B1 L32768 34.8 against 35.8.
   // (Until the twenty-ninth round pairs of splits merged in a thread-block cluster where every
   // CTA was resident at once; that code was a quarter of the kernel, and without it the warps,
   // which wait for instructions to be fetched at B = 1, ran 2-4% faster on every latency row:
