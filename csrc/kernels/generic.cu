@@ -202,10 +202,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_const
   const int n2 = D / 2;
   const float2* po = reinterpret_cast<const float2*>(w.partial_out + base * D);
   float2 v[kMergePairs][kMergeSplitsPerWarp];
-  // Column pairs c0, c0 + 32, ... of every split this warp sums, zeros past its splits (a column
-  // past the row reads the row's last pair, never summed). Each address is one 32-bit
-  // multiply-add from the warp's first, and the only predicate is the split's: 64-bit products
-  // and a predicate a load made 400 instructions before the last load went out.
+  // Column pairs c0, c0 + 32, ... of every split this warp sums, zeros past its splits (a lane
+  // past the row's end, in a warp that holds part of it, reads the row's last pair, never
+  // summed). Each address is one 32-bit multiply-add from the warp's first, and the bounds are
+  // warp-uniform breaks: with a 64-bit product and a predicate a load, the last load went out
+  // 300-400 instructions after the wait (nvcc 13.0).
   const int warp_splits = merges ? (active - warp + kMergeWarps - 1) / kMergeWarps : 0;
   const int split_step = kMergeWarps * n2;  // float2 units between a warp's splits
   const float2* const warp_po = po + static_cast<int64_t>(warp) * n2;
