@@ -8,9 +8,10 @@ times our in-place call and SDPA cuDNN interleaved on the chosen rows of bench_d
 grid and any other shapes (CUDA-graph replays, inputs rotated beyond L2, as bench_decode.py),
 so that the ratio ours / cuDNN carries no drift of the clocks between runs. `--pins` adds our
 call with a switch pinned, interleaved with the rest: `splits=N` (the decode split count,
-_set_decode_split_override) or `merge=`, `loader=`, `schedule=`, `l2=` (the _set_decode_*
+_set_decode_split_override) or `merge=`, `loader=`, `schedule=`, `l2=`, `features=` (the _set_decode_*
 switches; `schedule=keep_splits` keeps the plan's splits for a batch of equal rows, `l2=on` and
-`l2=off` pin the L2 prefetch before the PDL wait).
+`l2=off` pin the L2 prefetch before the PDL wait, `features=general` the decode kernel with every
+feature compiled in).
 Prints one line a row:
 
     python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 --pins merge=kernel splits=4
@@ -36,7 +37,7 @@ def split_override(value: str) -> None:
 
 SWITCHES = {"splits": split_override, "merge": gqa_torch._C._set_decode_merge,
             "loader": gqa_torch._C._set_decode_loader, "schedule": gqa_torch._C._set_decode_schedule,
-            "l2": gqa_torch._C._set_decode_l2_prefetch}
+            "l2": gqa_torch._C._set_decode_l2_prefetch, "features": gqa_torch._C._set_decode_features}
 
 
 def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list) -> dict:
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[],
                         help="more shapes, each BxHqxHkvxDxL (printed as rows 100, 101, ...)")
     parser.add_argument("--pins", nargs="*", default=[],
-                        help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2)")
+                        help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2, features)")
     parser.add_argument("--tag", default="", help="a name for this build, printed on every line")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
