@@ -11,7 +11,7 @@ call with a switch pinned, interleaved with the rest: `splits=N` (the decode spl
 _set_decode_split_override) or `merge=`, `loader=`, `schedule=`, `l2=`, `features=` (the _set_decode_*
 switches; `schedule=keep_splits` keeps the plan's splits for a batch of equal rows, `l2=on` and
 `l2=off` pin the L2 prefetch before the PDL wait, `features=general` the decode kernel with every
-feature compiled in).
+feature compiled in); pins joined by `+` (`splits=1+schedule=longest_first`) make one column.
 Prints one line a row:
 
     python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 --pins merge=kernel splits=4
@@ -48,8 +48,11 @@ def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list) -> dict
     qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
     steps = {"ours": ours, "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
     for pin in pins:
-        name, value = pin.split("=")
-        steps[pin] = pinned(ours, SWITCHES[name], value)
+        step = ours
+        for part in pin.split("+"):  # several switches pinned at once: "splits=1+schedule=longest_first"
+            name, value = part.split("=")
+            step = pinned(step, SWITCHES[name], value)
+        steps[pin] = step
     return time_graphs_interleaved(steps, n)
 
 
@@ -60,12 +63,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[],
                         help="more shapes, each BxHqxHkvxDxL (printed as rows 100, 101, ...)")
     parser.add_argument("--pins", nargs="*", default=[],
-                        help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2, features)")
+                        help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2, "
+                             "features), or several joined by '+'")
     parser.add_argument("--tag", default="", help="a name for this build, printed on every line")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     for pin in args.pins:
-        assert pin.count("=") == 1 and pin.split("=")[0] in SWITCHES, f"--pins: expected name=value, got {pin}"
+        for part in pin.split("+"):
+            assert part.count("=") == 1 and part.split("=")[0] in SWITCHES, f"--pins: expected name=value, got {pin}"
     shapes = [(i, DECODE_GRID[i]) for i in args.rows]
     shapes += [(100 + i, tuple(int(x) for x in text.lower().split("x"))) for i, text in enumerate(args.shapes)]
     torch.manual_seed(0)
