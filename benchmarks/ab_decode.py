@@ -19,6 +19,7 @@ Prints one line a row:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -27,7 +28,7 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gqa_torch  # noqa: E402
-from bench_decode import DECODE_GRID, DTYPE, pinned, sdpa_step  # noqa: E402
+from bench_decode import DECODE_GRID, DTYPE, sdpa_step  # noqa: E402
 from common import inplace_decode_step, time_graphs_interleaved, warm_up_gpu  # noqa: E402
 
 
@@ -40,6 +41,31 @@ SWITCHES = {"splits": split_override, "merge": gqa_torch._C._set_decode_merge,
             "l2": gqa_torch._C._set_decode_l2_prefetch, "features": gqa_torch._C._set_decode_features}
 
 
+def pin_parts(pin: str) -> list:
+    """The (switch name, value) pairs of a pin: "name=value", or several joined by "+"
+    ("splits=1+schedule=longest_first"). Refuses a name SWITCHES does not know."""
+    parts = []
+    for part in pin.split("+"):
+        if part.count("=") != 1 or part.split("=")[0] not in SWITCHES:
+            raise SystemExit(f"--pins: expected name=value[+name=value...] with names {sorted(SWITCHES)}, got {pin}")
+        parts.append(tuple(part.split("=")))
+    return parts
+
+
+@contextlib.contextmanager
+def pinned_switches(pin: str):
+    """Every switch of `pin` set inside the block, and given back to auto afterwards (a switch is
+    read when a call is enqueued, so a graph captured inside keeps the pinned settings)."""
+    parts = pin_parts(pin)
+    try:
+        for name, value in parts:
+            SWITCHES[name](value)
+        yield
+    finally:
+        for name, _ in parts:
+            SWITCHES[name]("auto")
+
+
 def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list) -> dict:
     """µs a call on one shape: ours, SDPA cuDNN and ours with each pin ("name=value")."""
     ours, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE)
@@ -48,10 +74,10 @@ def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list) -> dict
     qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
     steps = {"ours": ours, "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
     for pin in pins:
-        step = ours
-        for part in pin.split("+"):  # several switches pinned at once: "splits=1+schedule=longest_first"
-            name, value = part.split("=")
-            step = pinned(step, SWITCHES[name], value)
+        def step(i, pin=pin):
+            with pinned_switches(pin):
+                ours(i)
+
         steps[pin] = step
     return time_graphs_interleaved(steps, n)
 
@@ -69,8 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     for pin in args.pins:
-        for part in pin.split("+"):
-            assert part.count("=") == 1 and part.split("=")[0] in SWITCHES, f"--pins: expected name=value, got {pin}"
+        pin_parts(pin)  # (refuses a bad one before any timing)
     shapes = [(i, DECODE_GRID[i]) for i in args.rows]
     shapes += [(100 + i, tuple(int(x) for x in text.lower().split("x"))) for i, text in enumerate(args.shapes)]
     torch.manual_seed(0)

@@ -34,6 +34,7 @@ even when off, so the default build has none):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -181,11 +182,12 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[0, 4, 6, 11], help="indices into the decode grid")
     parser.add_argument("--calls", type=int, default=8, help="calls back to back in the graph")
     parser.add_argument("--pins", nargs="*", default=[],
-                        help="each row again with a switch pinned, name=value (as ab_decode.py's --pins)")
+                        help="each row again with switches pinned, name=value or several joined by '+' "
+                             "(as ab_decode.py's --pins)")
     args = parser.parse_args()
-    from ab_decode import SWITCHES  # (imports gqa_torch, as this script does)
+    from ab_decode import pin_parts, pinned_switches  # (imports gqa_torch, as this script does)
     for pin in args.pins:
-        assert pin.count("=") == 1 and pin.split("=")[0] in SWITCHES, f"--pins: expected name=value, got {pin}"
+        pin_parts(pin)  # (refuses a bad one before any timing)
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     if not gqa_torch.build_info().get("decode_timeline", False):
         raise SystemExit("decode_timeline.py: this build has no decode stamps; rebuild with "
@@ -196,14 +198,8 @@ def main():
         shape = DECODE_GRID[i]
         for pin in [None] + args.pins:
             progress(f"timeline: B={shape[0]} L={shape[4]}" + (f", {pin}" if pin else ""))
-            if pin:
-                name, value = pin.split("=")
-                SWITCHES[name](value)
-            try:
+            with pinned_switches(pin) if pin else contextlib.nullcontext():
                 rec, period = stamped_call(*shape, args.calls)
-            finally:
-                if pin:
-                    SWITCHES[name]("auto")
             if len(rec) == 0:
                 print(f"## {shape}: no records (not the tensor-core decode kernel?)")
                 continue
