@@ -14,13 +14,15 @@ switches; `schedule=keep_splits` keeps the plan's splits for a batch of equal ro
 feature compiled in); pins joined by `+` (`splits=1+schedule=longest_first`) make one column.
 Prints one line a row:
 
-    python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 --pins merge=kernel splits=4
+    python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 32x32x8x128x8192r256 \
+        --pins merge=kernel splits=4
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import re
 import sys
 
 import torch
@@ -29,7 +31,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gqa_torch  # noqa: E402
 from bench_decode import DECODE_GRID, DTYPE, sdpa_step  # noqa: E402
-from common import inplace_decode_step, time_graphs_interleaved, warm_up_gpu  # noqa: E402
+from common import inplace_decode_step, ragged_lengths, time_graphs_interleaved, warm_up_gpu  # noqa: E402
 
 
 def split_override(value: str) -> None:
@@ -66,9 +68,21 @@ def pinned_switches(pin: str):
             SWITCHES[name]("auto")
 
 
-def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list) -> dict:
-    """µs a call on one shape: ours, SDPA cuDNN and ours with each pin ("name=value")."""
-    ours, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE)
+def parse_decode_shape(text: str) -> tuple:
+    """(B, Hq, Hkv, D, L, low) from "BxHqxHkvxDxL" (every row full: low None) or
+    "BxHqxHkvxDxLrLOW" (a ragged batch: lengths uniform in [LOW, L]). Refuses anything else."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)(?:r(\d+))?", text.lower())
+    if match is None or (match.group(6) is not None and not 1 <= int(match.group(6)) <= int(match.group(5))):
+        raise SystemExit(f"--shapes: expected BxHqxHkvxDxL or BxHqxHkvxDxLrLOW with 1 <= LOW <= L, got {text}")
+    dims = tuple(int(x) for x in match.groups()[:5])
+    return dims + (None if match.group(6) is None else int(match.group(6)),)
+
+
+def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list, low: "int | None" = None) -> dict:
+    """µs a call on one shape: ours, SDPA cuDNN (over the whole cache, a reference for the clocks
+    even where the batch is ragged) and ours with each pin ("name=value")."""
+    seqlens = None if low is None else (ragged_lengths(b, length, low) - 1).to(torch.int32).cuda()
+    ours, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE, seqlens)
     ks = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
     vs = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
     qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
@@ -87,7 +101,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=list(range(len(DECODE_GRID))),
                         help="indices into bench_decode.DECODE_GRID (default: all)")
     parser.add_argument("--shapes", nargs="*", default=[],
-                        help="more shapes, each BxHqxHkvxDxL (printed as rows 100, 101, ...)")
+                        help="more shapes, each BxHqxHkvxDxL, or BxHqxHkvxDxLrLOW for a ragged batch of lengths "
+                             "uniform in [LOW, L] (printed as rows 100, 101, ...)")
     parser.add_argument("--pins", nargs="*", default=[],
                         help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2, "
                              "features), or several joined by '+'")
@@ -96,15 +111,16 @@ def main() -> None:
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     for pin in args.pins:
         pin_parts(pin)  # (refuses a bad one before any timing)
-    shapes = [(i, DECODE_GRID[i]) for i in args.rows]
-    shapes += [(100 + i, tuple(int(x) for x in text.lower().split("x"))) for i, text in enumerate(args.shapes)]
+    shapes = [(i, DECODE_GRID[i] + (None,)) for i in args.rows]
+    shapes += [(100 + i, parse_decode_shape(text)) for i, text in enumerate(args.shapes)]
     torch.manual_seed(0)
     warm_up_gpu()
-    for index, (b, hq, hkv, d, length) in shapes:
-        times = time_row(b, hq, hkv, d, length, args.pins)
+    for index, (b, hq, hkv, d, length, low) in shapes:
+        times = time_row(b, hq, hkv, d, length, args.pins, low)
         ours, cudnn = times.pop("ours"), times.pop("cudnn")
         pins = "".join(f" | {name} {t:.2f}" for name, t in times.items())
-        print(f"{args.tag} row {index} B{b} {hq}/{hkv}/{d} L{length}: ours {ours:.2f} cudnn {cudnn:.2f} "
+        ragged = "" if low is None else f" ragged from {low}"
+        print(f"{args.tag} row {index} B{b} {hq}/{hkv}/{d} L{length}{ragged}: ours {ours:.2f} cudnn {cudnn:.2f} "
               f"cudnn/ours {cudnn / ours:.3f}{pins}", flush=True)
         torch.cuda.empty_cache()
 

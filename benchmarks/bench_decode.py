@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import (HBM_DATASHEET_TBS, bar_plot, measure_hbm_read_tbs, progress, sets_for_bytes, time_graph,
-                    time_graphs_interleaved, warm_up_gpu, write_tables)
+from common import (HBM_DATASHEET_TBS, bar_plot, measure_hbm_read_tbs, progress, ragged_lengths, sets_for_bytes,
+                    time_graph, time_graphs_interleaved, warm_up_gpu, write_tables)
 
 DECODE_GRID = [  # B, Hq, Hkv, D, L
     (1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768),
@@ -152,8 +152,7 @@ def ragged_table():
     rows = []
     hq, hkv, d = 32, 8, 128
     for b, capacity, low in [(32, 8192, 256), (8, 32768, 256)]:
-        g = torch.Generator().manual_seed(b)
-        lengths = torch.randint(low, capacity + 1, (b,), generator=g)
+        lengths = ragged_lengths(b, capacity, low)
         valid_bytes = 2 * int(lengths.sum()) * hkv * d * 2
         cap_bytes = 2 * b * hkv * capacity * d * 2
         n = sets_for_bytes(cap_bytes)

@@ -28,6 +28,12 @@ def parse_shape(text: str):
     return b, length, d
 
 
+def ragged_lengths(b: int, capacity: int, low: int) -> torch.Tensor:
+    """The valid lengths of a ragged decode batch (bench_decode.py's ragged table, ab_decode.py's
+    ragged shapes): uniform in [low, capacity], seeded by the batch size, on the CPU."""
+    return torch.randint(low, capacity + 1, (b,), generator=torch.Generator().manual_seed(b))
+
+
 def sets_for_bytes(bytes_per_set: int, target: int = 400 << 20, cap: int = 64) -> int:
     """How many input sets to rotate over so that their bytes exceed `target`."""
     return max(1, min(cap, -(-target // max(1, bytes_per_set))))
