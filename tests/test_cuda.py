@@ -805,12 +805,15 @@ def _equal_rows_shape(kind):
 
 @pytest.mark.parametrize("kind,dtype,schedule,features", [
     ("one", "bf16", "auto", slice(None)), ("one", "fp16", "auto", slice(1, None, 2)),
-    ("two_per_sm", "bf16", "auto", slice(0, 3)), ("one", "bf16", "keep_splits", slice(2, 4))])
+    ("two_per_sm", "bf16", "auto", slice(0, 3)), ("one", "bf16", "keep_splits", slice(2, 4)),
+    ("one", "bf16", "two_per_sm", slice(0, 2))])
 def test_cuda_decode_equal_rows_take_fewer_splits(kind, dtype, schedule, features):
     """A batch whose rows all see as many keys takes the plan's fewer splits for equal rows (its
     CTAs take their coordinates from the linear block index, and those past the working ones
     leave), and the same batch with one row shorter takes the plan's own splits, merged in the
-    launch; "keep_splits" pins the plan's splits for both. Every feature in bf16 (a slice of them
+    launch; the schedule "keep_splits" pins the plan's splits for both, and the schedule
+    "two_per_sm" two CTAs an SM where auto keeps to one (the shape "one" at head size 128,
+    Plan::one_cta_per_sm). Every feature in bf16 (a slice of them
     in the other settings, which differ from it in one thing each), both ops and layouts, head sizes
     128 (the TMA loader) and 64 (K loaded into registers), against the reference and the CPU
     backend (under a local window every row sees the window's keys: equal rows again)."""
@@ -836,6 +839,37 @@ def test_cuda_decode_equal_rows_bad_row():
                      poison_unused=False)
     case.seqlens_k[batch // 2] = capacity  # total capacity + 1
     _check_row_past_capacity_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+
+
+def _ragged_pasts(rng, batch, capacity):
+    """Past lengths of a ragged batch: random ones, rows shorter than a split's least keys (so
+    that those rows take fewer splits than the plan), an empty cache, and a tie of two rows at
+    the capacity."""
+    past = [rng.randint(0, capacity - 1) for _ in range(batch)]
+    past[0], past[1], past[2], past[3], past[4] = 0, 30, 63, capacity - 1, capacity - 1
+    rng.shuffle(past)
+    return past
+
+
+@pytest.mark.parametrize("dtype,schedule,features", [
+    ("bf16", "auto", [0, 1, 2, 4]), ("fp16", "auto", [4, 0]), ("bf16", "two_per_sm", [0, 2])])
+def test_cuda_decode_ragged_batch_one_cta_an_sm(dtype, schedule, features):
+    """A ragged batch where the plan keeps the launch to one CTA an SM (Plan::one_cta_per_sm: 16
+    rows of 8 kv heads on an H200, two splits a row, so two waves of CTAs dispatched longest
+    first), and the same with two CTAs an SM pinned: rows from empty to the capacity, rows with
+    fewer splits than the plan, a tie; features without a local window (which would make the rows
+    equal), both ops and layouts, head sizes 128 and 64 (where the plan keeps two CTAs an SM),
+    against the reference and the CPU backend."""
+    batch, hq, hkv, capacity, plan = _equal_rows_shape("one")
+    assert plan["one_cta_per_sm"], plan
+    rng = random.Random(31)
+    with _decode_pinned(schedule=schedule):
+        for j, i in enumerate(features):
+            case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                             head_dim=[128, 64][(j // 2) % 2], capacity=capacity,
+                             past_lengths=_ragged_pasts(rng, batch, capacity), dtype=DTYPES[dtype], layout=j % 2,
+                             **FEATURE_CYCLE[i])
+            _run_cuda_and_cpu(case)
 
 
 def test_cuda_graph_decode_replays_between_equal_and_unequal_rows():

@@ -78,6 +78,31 @@ def test_decode_plan_gives_equal_rows_one_wave(batch, hq, hkv, capacity, max_spl
     assert plan["longest_first"] or equal_rows_splits == 0
 
 
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,one_cta_per_sm", [
+    (16, 64, 8, 8192, 128, True),    # bench_decode.py's B16 64/8 row: 256 CTAs of 2 splits, 264 slots
+    (16, 64, 8, 4160, 128, True),
+    (30, 32, 4, 8192, 128, True),    # 240 CTAs
+    (33, 4, 4, 4096, 128, True),     # 264 CTAs: exactly one wave at two an SM
+    (16, 64, 8, 8192, 64, False),    # measured at head size 128 only
+    (16, 64, 8, 8192, 256, False),
+    (17, 64, 8, 8192, 128, False),   # 272 CTAs: two waves at two an SM already
+    (16, 64, 8, 16384, 128, False),  # 4 splits: 512 CTAs
+    (32, 32, 8, 8192, 128, False),   # equal rows take one split, but two CTAs an SM stream it
+    (8, 32, 8, 32768, 128, False),   # equal rows take 4 splits: two CTAs an SM
+    (16, 64, 8, 2048, 128, False),   # one split: no equal rows' grid
+    (1, 32, 8, 8192, 128, False),
+])
+def test_decode_plan_keeps_one_cta_an_sm_where_a_ragged_batch_would_be_one_wave(batch, hq, hkv, capacity, head_dim,
+                                                                               one_cta_per_sm):
+    """One CTA an SM (the launch asks for more than half an SM's shared memory) where the plan's
+    grid is one wave at two CTAs an SM and a batch of equal rows takes one split: a ragged batch
+    then runs in two waves, longest first, and equal rows stream one CTA an SM either way."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
+    assert plan["one_cta_per_sm"] is one_cta_per_sm, plan
+    if one_cta_per_sm:
+        assert plan["longest_first"] and plan["equal_rows_splits"] == 1, plan
+
+
 def test_decode_plan_refuses_bad_shapes():
     with pytest.raises(ValueError, match="expected positive sizes with kv_heads dividing q_heads"):
         _C._decode_plan(2, 6, 4, 100, 132)

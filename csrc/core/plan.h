@@ -42,6 +42,12 @@ struct Plan {
   // fewer. The plan's splits past one wave spread a ragged batch's long rows; equal rows have
   // none to spread.
   int32_t equal_rows_splits = 0;
+  // Decode, at head size 128: the launch keeps to one CTA an SM (it asks for more than half an
+  // SM's shared memory), where the plan's grid fits in one wave at two CTAs an SM and a batch
+  // of equal rows takes one split, one CTA an SM anyway. Then every CTA of a ragged batch would
+  // be resident at once, so none of its work could move to an SM that finished early; at one
+  // CTA an SM the grid is two waves, dispatched longest first (plan.cpp).
+  bool one_cta_per_sm = false;
   WorkspaceLayout workspace;
 };
 

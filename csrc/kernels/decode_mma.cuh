@@ -882,8 +882,6 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
   const dim3 block(DecodeCfg<D>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
-  constexpr size_t smem = DecodeCfg<D, kLoader>::kSmem;
-  ensure_smem<kernel>(smem, "decode_mma_kernel");
   // Auto has the last split merge up to 16 splits: interleaved on an H200 (twenty-first round)
   // it beat the merge kernel by 2-3% at B1 L8192 and L32768 (16 splits) and tied at B1 L1024 and
   // B8 L32768. At 14/2/64 (D = 64) it lost 10% at 16 splits then; since the count is one
@@ -904,6 +902,14 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   Work wk = w;
   if (w.max_splits <= 1 || !(merge == 2 || (merge == 0 && auto_arrival))) wk.arrivals = nullptr;
   if (wk.arrivals == nullptr || w.equal_rows_splits >= w.max_splits) wk.equal_rows_splits = 0;
+  // Plan::one_cta_per_sm, where the equal rows' splits are in use: more than half an SM's shared
+  // memory, so that one CTA an SM fits (the rest is never touched).
+  size_t smem = DecodeCfg<D, kLoader>::kSmem;
+  if (wk.one_cta_per_sm != 0 && wk.equal_rows_splits > 0) {
+    const int sm_bytes = device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>();
+    smem = std::max(smem, static_cast<size_t>(sm_bytes) / 2 + 1024);
+  }
+  ensure_smem<kernel>(smem, "decode_mma_kernel");
   launch_kernel("decode_mma_kernel", kernel, grid, block, smem, stream, p, wk, fused ? 1 : 0, maps);
   return wk.arrivals != nullptr;
 }

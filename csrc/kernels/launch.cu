@@ -92,10 +92,11 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     if (w.max_splits > 1 && p.arrival_counters != nullptr && arrival_slots <= p.arrival_slots)
       w.arrivals = p.arrival_counters;
     const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
-    w.longest_first = tc && (schedule == 2 || ((schedule == 0 || schedule == 3) && plan.longest_first)) ? 1 : 0;
+    w.longest_first = tc && (schedule == 2 || (schedule != 1 && plan.longest_first)) ? 1 : 0;
     // (launch_decode_kernel drops it without the in-launch merge: the merge kernel counts a
     // row's splits from its length alone.)
     w.equal_rows_splits = w.longest_first && schedule != 3 ? plan.equal_rows_splits : 0;
+    w.one_cta_per_sm = w.equal_rows_splits > 0 && schedule == 0 && plan.one_cta_per_sm ? 1 : 0;
     w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;
     // The prefetched lines must survive in L2 until the wait ends, while the kernel before
     // streams its own bytes. On an H200 (twenty-fifth round, the kernel before being the same
