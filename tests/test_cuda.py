@@ -872,6 +872,27 @@ def test_cuda_decode_ragged_batch_one_cta_an_sm(dtype, schedule, features):
             _run_cuda_and_cpu(case)
 
 
+@pytest.mark.parametrize("schedule", ["auto", "two_per_sm"])
+def test_cuda_decode_nearly_equal_rows_one_cta_an_sm(schedule):
+    """Rows whose visible keys differ by at most 1/16 of the longest one's, at the shape where the
+    launch keeps to one CTA an SM: auto gives them the equal rows' one split (a CTA a row and kv
+    head, in row order), "two_per_sm" the plan's two splits. A row exactly at the bound (15/16 of
+    the capacity) and one at the capacity; features, both ops and layouts, head sizes 128 and 64
+    (where the launch keeps two CTAs an SM, so the rows take the plan's splits), against the
+    reference and the CPU backend."""
+    batch, hq, hkv, capacity, plan = _equal_rows_shape("one")
+    assert plan["one_cta_per_sm"] and capacity % 16 == 0, plan
+    rng = random.Random(47)
+    with _decode_pinned(schedule=schedule):
+        for j, i in enumerate([0, 1, 4, 2]):
+            past = [capacity - 1 - rng.randint(0, capacity // 16 - 1) for _ in range(batch)]
+            past[j], past[j + 5] = 15 * capacity // 16 - 1, capacity - 1  # (one query token: keys = past + 1)
+            case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                             head_dim=[128, 64][(j // 2) % 2], capacity=capacity, past_lengths=past,
+                             dtype=torch.bfloat16, layout=j % 2, **FEATURE_CYCLE[i])
+            _run_cuda_and_cpu(case)
+
+
 def test_cuda_graph_decode_replays_between_equal_and_unequal_rows():
     """One captured in-place decode step (RoPE) replayed while its batch turns from equal rows
     (one split) to unequal ones (two, merged by the last to arrive) and back: every replay matches

@@ -74,11 +74,12 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // rows (longest first). H200, thirty-fifth round, B16 64/8 L8192, lengths uniform in
     // [256, 8192]: 65.0-65.5 us against 82.6-87.4 at two an SM; from 4,096: 104.2-104.5 against
     // 111.9-113.6; B30 32/4 from 256: 73.5 against 92.2. Equal rows stream one CTA an SM either
-    // way (126.1-126.4 against 126.2-126.7). Rows from 8,000 of 8,192 lose 2.3-2.5% (130.4-130.8
-    // against 127.2-128.3: two waves of equal halves). Where two CTAs an SM stream the equal
-    // rows' grid (B8 L32768, B32 L8192) or the grid is two waves already, one CTA an SM was
-    // 0.8-7% slower (B8 L8192 69.4 against 66.4, B64 L1024 71.8 against 67.0, ragged B32 L8192
-    // 163.5 against 155.2). Measured at head size 128 only.
+    // way (126.1-126.4 against 126.2-126.7). Nearly equal rows, whose plan's splits would run as
+    // two waves of equal halves (from 8,000 of 8,192: 130.4-130.8 against 127.2-128.3), take
+    // the equal rows' one split here (decode_schedule.cuh): 125.3-125.5. Where two CTAs an SM
+    // stream the equal rows' grid (B8 L32768, B32 L8192) or the grid is two waves already, one
+    // CTA an SM was 0.8-7% slower (B8 L8192 69.4 against 66.4, B64 L1024 71.8 against 67.0,
+    // ragged B32 L8192 163.5 against 155.2). Measured at head size 128 only.
     plan.one_cta_per_sm = p.head_dim == 128 && plan.equal_rows_splits == 1 && slots * splits <= 2 * sms;
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few

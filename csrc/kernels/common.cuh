@@ -40,8 +40,9 @@ struct Work {
   // when every row of the batch sees as many keys, fewer than max_splits (Plan::
   // equal_rows_splits; decode_schedule.cuh); 0: active_splits as for any batch.
   int32_t equal_rows_splits = 0;
-  // Decode, host side (Plan::one_cta_per_sm): the launch asks for more than half an SM's shared
-  // memory, so that one CTA an SM fits.
+  // Decode (Plan::one_cta_per_sm): the launch asks for more than half an SM's shared memory, so
+  // that one CTA an SM fits, and nearly equal rows take equal_rows_splits too
+  // (decode_schedule.cuh).
   int32_t one_cta_per_sm = 0;
   // Decode: the per-stream arrival counters (Params::arrival_counters), one per (row, kv head,
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null

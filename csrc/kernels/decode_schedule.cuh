@@ -15,7 +15,9 @@
 // CTAs in that order, so the working CTAs spread evenly over the SMs. (Leaving CTAs interleaved
 // with working ones, as split-fastest coordinates would have them, gave some SMs two working
 // CTAs and others none: H200, thirty-first round, B16 64/8 L8192 131.7-132.3 us against 128.2
-// with the plan's 2 splits and 124.1 with one split a row in a grid of one.)
+// with the plan's 2 splits and 124.1 with one split a row in a grid of one.) Where the launch
+// keeps to one CTA an SM (Work::one_cta_per_sm), so does a batch of nearly equal rows (the
+// shortest sees at least 15/16 of the longest one's keys).
 //
 // Every CTA reads the whole batch's seqlens_k to rank them. They are read before the PDL wait
 // (pdl_early_read: no kernel of this extension writes seqlens_k).
@@ -40,6 +42,7 @@ struct RankedRow {
   int seqlen;  // its seqlens_k, so that the kernel need not read it again after the ranking
   int own;     // seqlens_k[threadIdx.x] (0 past the batch): the fused row checks start there
   bool equal_rows;  // every row of the batch sees as many keys (false where nothing was ranked)
+  bool nearly_equal_rows;  // the shortest row sees at least 15/16 of the longest one's keys
 };
 
 // The batch row of rank `rank`. Called by every thread of the CTA (it synchronises). Batches of
@@ -49,9 +52,10 @@ template <int kThreads>
 __device__ RankedRow longest_first_row(const Params& p, int rank, int* row_seqlens) {
   __shared__ int row_keys[kThreads];
   __shared__ int2 claim;
+  __shared__ int2 key_range;  // (the longest row's keys, the shortest's)
   const int tid = threadIdx.x;
   const int seqlen = tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
-  if (p.batch > kThreads) return RankedRow{rank, pdl_early_read(p.seqlens_k + rank), seqlen, false};
+  if (p.batch > kThreads) return RankedRow{rank, pdl_early_read(p.seqlens_k + rank), seqlen, false, false};
   const int mine = tid < p.batch ? schedule_row_keys(p, seqlen) : -1;
   row_keys[tid] = mine;
   row_seqlens[tid] = seqlen;
@@ -65,10 +69,13 @@ __device__ RankedRow longest_first_row(const Params& p, int rank, int* row_seqle
       before += k > mine || (k == mine && j < tid);
     }
     if (before == rank) claim = make_int2(tid, seqlen);
+    if (before == 0) key_range.x = mine;
+    if (before == p.batch - 1) key_range.y = mine;
   }
   // (The barrier that publishes the claim also tells whether every row matches row 0.)
   const bool equal_rows = __syncthreads_and(tid >= p.batch || mine == row_keys[0]) != 0;
-  return RankedRow{claim.x, claim.y, seqlen, equal_rows};
+  const bool nearly_equal_rows = 16LL * key_range.y >= 15LL * key_range.x;
+  return RankedRow{claim.x, claim.y, seqlen, equal_rows, nearly_equal_rows};
 }
 
 // A decode CTA's coordinates: its split, its (kv head x head chunk) index and its row, with the
@@ -87,13 +94,19 @@ template <int kThreads>
 __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
   if (!w.longest_first)
     return DecodeCta{static_cast<int>(blockIdx.x), w.max_splits, static_cast<int>(blockIdx.y),
-                     RankedRow{static_cast<int>(blockIdx.z), 0, 0, false}, false};
+                     RankedRow{static_cast<int>(blockIdx.z), 0, 0, false, false}, false};
   __shared__ int row_seqlens[kThreads];
   DecodeCta c{static_cast<int>(blockIdx.x), w.max_splits, static_cast<int>(blockIdx.y),
               longest_first_row<kThreads>(p, blockIdx.z, row_seqlens), false};
-  if (w.equal_rows_splits > 0 && c.ranked.equal_rows) {
-    // Equal rows keep row order, so the rank is the row: the first equal_rows_splits x gridDim.y
-    // x rows CTAs in grid order take (split, kv chunk, row), split fastest; the others leave.
+  // Where the launch keeps to one CTA an SM (Work::one_cta_per_sm), nearly equal rows take the
+  // equal rows' one split too: there the plan's splits would run in two waves of the rows'
+  // halves (H200, thirty-fifth round, B16 64/8, lengths from 8,000 to 8,192: 130.6 us, against
+  // 127.2-127.4 at two CTAs an SM and 125.3-125.5 in one split).
+  const bool equal = c.ranked.equal_rows || (w.one_cta_per_sm != 0 && c.ranked.nearly_equal_rows);
+  if (w.equal_rows_splits > 0 && equal) {
+    // In row order (which equal rows rank in; nearly equal ones stream in one wave, so their
+    // order does not matter), the first equal_rows_splits x gridDim.y x rows CTAs in grid order
+    // take (split, kv chunk, row), split fastest; the others leave.
     const int splits = w.equal_rows_splits;
     c.splits = splits;
     const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
