@@ -46,7 +46,8 @@ struct Plan {
   // SM's shared memory), where the plan's grid fits in one wave at two CTAs an SM and a batch
   // of equal rows takes one split, one CTA an SM anyway. Then every CTA of a ragged batch would
   // be resident at once, so none of its work could move to an SM that finished early; at one
-  // CTA an SM the grid is two waves, dispatched longest first (plan.cpp).
+  // CTA an SM the grid is two waves, dispatched longest first (plan.cpp). Nearly equal rows
+  // then take the equal rows' one split too (decode_schedule.cuh).
   bool one_cta_per_sm = false;
   WorkspaceLayout workspace;
 };
