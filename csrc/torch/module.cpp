@@ -88,7 +88,8 @@ PYBIND11_MODULE(_C, m) {
     out["one_cta_per_sm"] = plan.one_cta_per_sm;
     return out;
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
-        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, "Tests: the decode plan's split counts and row order for these shapes (core/plan.cpp), on the host.");
+        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, "Tests: the decode plan's split counts, row order and CTAs an SM for these shapes (core/plan.cpp), on the "
+        "host.");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
