@@ -31,8 +31,9 @@ DTYPE = torch.bfloat16
 LOADER_COLUMNS = ["cp_async", "tma", "regs_k"]
 MERGE_COLUMNS = ["kernel", "arrival"]
 # The decode kernel's row orders pinned (auto takes the rows longest first where the plan says so,
-# and a batch of equal rows in fewer splits where it says so; keep_splits: in the plan's own).
-SCHEDULE_COLUMNS = ["rows", "longest_first", "keep_splits"]
+# and a batch of equal rows in fewer splits where it says so; keep_splits: in the plan's own;
+# one_wave: a ragged batch in the plan's one wave where auto takes two).
+SCHEDULE_COLUMNS = ["rows", "longest_first", "keep_splits", "one_wave"]
 # The decode kernel with every feature compiled in (auto takes the build without RoPE, softcap,
 # windows, sinks and smooth softmax for these calls, which use none of them).
 FEATURE_COLUMNS = ["general"]
@@ -151,7 +152,7 @@ def decode_table(args):
 def ragged_table():
     rows = []
     hq, hkv, d = 32, 8, 128
-    for b, capacity, low in [(32, 8192, 256), (8, 32768, 256)]:
+    for b, capacity, low in [(32, 8192, 256), (8, 32768, 256), (8, 8192, 256)]:
         lengths = ragged_lengths(b, capacity, low)
         valid_bytes = 2 * int(lengths.sum()) * hkv * d * 2
         cap_bytes = 2 * b * hkv * capacity * d * 2

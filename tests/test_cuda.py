@@ -895,21 +895,80 @@ def test_cuda_decode_nearly_equal_rows_one_cta_an_sm(schedule):
             _run_cuda_and_cpu(case)
 
 
-def test_cuda_graph_decode_replays_between_equal_and_unequal_rows():
-    """One captured in-place decode step (RoPE) replayed while its batch turns from equal rows
-    (one split) to unequal ones (two, merged by the last to arrive) and back: every replay matches
-    the reference, output and caches, so the arrival counters are zero again whichever count the
+def _two_waves_shape():
+    """(batch, q heads, kv heads, capacity, plan) of a decode call whose plan runs a ragged batch
+    in two waves (Plan::ragged_two_waves): SMs / 16 rows of 8 kv heads (8 on an H200), whose 4
+    splits a row fill two CTAs an SM once, and 8 for a ragged batch. Two query heads a kv head, as
+    _equal_rows_shape."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, hq, hkv, capacity = max(2, sms // 16), 16, 8, 8256
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    assert plan["ragged_two_waves"] and plan["max_splits"] == 2 * plan["equal_rows_splits"], plan
+    assert plan["near_equal_sixteenths"] == 8 and capacity % 2 == 0, plan
+    return batch, hq, hkv, capacity, plan
+
+
+@pytest.mark.parametrize("dtype,schedule,features", [
+    ("bf16", "auto", [0, 1, 2, 4]), ("fp16", "auto", [4, 0]), ("bf16", "one_wave", [0, 2])])
+def test_cuda_decode_ragged_batch_two_waves(dtype, schedule, features):
+    """A ragged batch where the plan doubles the splits of its one wave (Plan::ragged_two_waves),
+    and the same with one wave pinned: rows from empty to the capacity, rows with fewer splits
+    than the plan, a tie; features without a local window (which would make the rows equal), both
+    ops and layouts, head sizes 128 and 64 (where the plan keeps one wave), against the reference
+    and the CPU backend."""
+    batch, hq, hkv, capacity, _ = _two_waves_shape()
+    rng = random.Random(53)
+    with _decode_pinned(schedule=schedule):
+        for j, i in enumerate(features):
+            case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                             head_dim=[128, 64][(j // 2) % 2], capacity=capacity,
+                             past_lengths=_ragged_pasts(rng, batch, capacity), dtype=DTYPES[dtype], layout=j % 2,
+                             **FEATURE_CYCLE[i])
+            _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("schedule", ["auto", "one_wave"])
+def test_cuda_decode_nearly_equal_rows_two_waves(schedule):
+    """Rows whose shortest sees half the longest one's keys, at the shape where a ragged batch
+    takes two waves: auto gives them the equal rows' one wave (their 4 splits a row, in row order),
+    and the same batch with that row one key shorter two waves; "one_wave" the plan's one wave for
+    both. A row exactly at the bound and one at the capacity; features, both ops and layouts,
+    head sizes 128 and 64 (where the plan keeps one wave), against the reference and the CPU
+    backend."""
+    batch, hq, hkv, capacity, _ = _two_waves_shape()
+    rng = random.Random(59)
+    with _decode_pinned(schedule=schedule):
+        for j, i in enumerate([0, 1, 4, 2]):
+            past = [rng.randint(capacity // 2, capacity - 1) for _ in range(batch)]
+            # (one query token: keys = past + 1; the first two cases at the bound, the next two below it)
+            past[j % batch], past[(j + 1) % batch] = capacity // 2 - 1 - (j // 2), capacity - 1
+            case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                             head_dim=[128, 64][j % 2], capacity=capacity, past_lengths=past,
+                             dtype=torch.bfloat16, layout=j % 2, **FEATURE_CYCLE[i])
+            _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("kind", ["one", "two_waves"])
+def test_cuda_graph_decode_replays_between_equal_and_unequal_rows(kind):
+    """One captured in-place decode step (RoPE) replayed while its batch turns from equal rows to
+    unequal ones and back: at the shape "one", one split for equal rows and two for the others,
+    merged by the last to arrive; at "two_waves", one wave of splits for equal and nearly equal
+    rows (lengths from half the capacity) and two for rows from empty. Every replay matches the
+    reference, output and caches, so the arrival counters are zero again whichever count the
     replay before took."""
-    batch, hq, hkv, capacity, _ = _equal_rows_shape("one")
+    batch, hq, hkv, capacity, _ = _equal_rows_shape("one") if kind == "one" else _two_waves_shape()
     case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
                      past_lengths=[4000] * batch, rotary="half", max_positions=capacity + 5, dtype=torch.bfloat16,
                      device="cuda", poison_unused=False)
     static = case.clone()
     graph, static_out = _capture(lambda: _inplace_step(static), warmups=2)
     rng = random.Random(11)
-    for equal in (True, False, True, False, False, True):
-        pasts = [capacity - 1 - rng.randint(0, 50)] * batch if equal else [
-            rng.randint(2000, capacity - 1) for _ in range(batch)]
+    for lengths in ("equal", "from_half", "equal", "from_empty", "from_half", "from_empty", "equal"):
+        if lengths == "equal":
+            pasts = [capacity - 1 - rng.randint(0, 50)] * batch
+        else:
+            low = capacity // 2 if lengths == "from_half" else 0
+            pasts = [rng.randint(low, capacity - 1) for _ in range(batch)]
         _replay_with_fresh_inputs_and_check(graph, static, static_out, pasts)
 
 

@@ -12,7 +12,7 @@ from gqa_torch import _C
     (1, 32, 8, 1024, 16, False),      # one row: nothing to order
     (1, 14, 2, 32768, 66, False),
     (8, 32, 8, 1024, 2, False),       # 128 CTAs, fewer than the SMs: all start at once
-    (8, 32, 8, 8192, 4, True),        # splits of 2,048 keys two CTAs an SM: 256 CTAs
+    (8, 32, 8, 8192, 8, True),        # splits of 2,048 keys two CTAs an SM (256 CTAs), twice for a ragged batch
     (8, 32, 8, 32768, 8, True),       # 512 CTAs: the ragged B8 row of bench_decode.py
     (32, 32, 8, 8192, 2, True),       # the ragged B32 row
     (64, 32, 8, 1024, 1, False),      # 512 CTAs, but splits of 1,024 keys of capacity
@@ -20,7 +20,7 @@ from gqa_torch import _C
     (16, 64, 8, 8192, 2, True),
     (2, 128, 1, 4096, 64, False),     # 2 x 64 splits x 8 head chunks of 16 query heads, 64 keys each
     (2, 128, 1, 262144, 66, True),    # ... of 3,971 keys
-    (40, 16, 4, 2100, 1, True),       # 160 CTAs
+    (40, 16, 4, 2100, 2, True),       # 160 CTAs, two waves of them for a ragged batch
     (33, 4, 4, 2048, 1, False),       # 132 CTAs: exactly the SMs
     (33, 4, 4, 4096, 2, True),        # ... two an SM, as their splits hold 2,048 keys
     (2, 32, 8, 32768, 16, True),      # 16 splits of 2,048 keys: two CTAs an SM, not 8 of 4,096
@@ -40,7 +40,7 @@ def test_decode_plan_takes_rows_longest_first_with_more_ctas_than_sms(batch, hq,
     (8, 512, 2, 2),     # ... not of 128
     (1, 8192, 16, 16),  # 33 splits would hold 248 keys
     (1, 1024, 16, 16),
-    (8, 8192, 4, 4),    # 2,048 keys: two CTAs an SM at every head size
+    (8, 8192, 8, 4),    # 2,048 keys: two CTAs an SM at every head size (head size 128: twice for a ragged batch)
 ])
 def test_decode_plan_takes_two_ctas_an_sm_from_shorter_splits_at_head_size_256(batch, capacity, max_splits_128,
                                                                                  max_splits_256):
@@ -56,13 +56,14 @@ def test_decode_plan_takes_two_ctas_an_sm_from_shorter_splits_at_head_size_256(b
     (16, 64, 8, 4160, 2, 1),
     (33, 4, 4, 4096, 2, 1),     # 132 CTAs a split: every SM
     (30, 32, 4, 8192, 2, 1),    # 120 CTAs a split: 91% of the SMs
-    (29, 32, 4, 8192, 2, 0),    # 116: 88%, and two CTAs an SM would take the plan's 2 splits
+    (29, 32, 4, 8192, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
     (17, 64, 8, 8192, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM
     (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
     (8, 32, 8, 16448, 5, 4),
     (32, 32, 8, 8192, 2, 1),    # 256 CTAs a split: one wave at two an SM
-    (8, 32, 8, 8192, 4, 0),     # 4 splits already fill two CTAs an SM
-    (4, 32, 8, 32768, 8, 0),    # ... and 8 here
+    (8, 32, 8, 8192, 8, 4),     # 4 splits fill two CTAs an SM: twice as many for a ragged batch
+    (4, 32, 8, 32768, 16, 8),   # ... 8 here
+    (2, 32, 8, 32768, 16, 0),   # ... 16 here, and 32 would be past the in-launch merge's bound
     (16, 64, 8, 2048, 1, 0),    # one split already (and one CTA an SM: no ranking)
     (64, 32, 8, 8192, 1, 0),
     (16, 256, 8, 8192, 2, 1),   # two head chunks: 256 CTAs a split, one wave at two an SM
@@ -101,6 +102,36 @@ def test_decode_plan_keeps_one_cta_an_sm_where_a_ragged_batch_would_be_one_wave(
     assert plan["one_cta_per_sm"] is one_cta_per_sm, plan
     if one_cta_per_sm:
         assert plan["longest_first"] and plan["equal_rows_splits"] == 1, plan
+
+
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,two_waves", [
+    (8, 32, 8, 8192, 128, True),     # bench_decode.py's B8 L8192 row: 4 splits, 256 CTAs, 264 slots
+    (8, 32, 8, 16384, 128, True),
+    (4, 32, 8, 16384, 128, True),    # 8 splits
+    (4, 32, 8, 32768, 128, True),
+    (40, 16, 4, 2100, 128, True),    # 160 CTAs of one split
+    (8, 32, 8, 8192, 64, False),     # measured at head size 128 only
+    (8, 32, 8, 8192, 256, False),
+    (2, 32, 8, 32768, 128, False),   # 32 splits: past the in-launch merge's 16
+    (8, 32, 8, 32768, 128, False),   # equal rows take 4 of the plan's 8 splits already
+    (16, 64, 8, 8192, 128, False),   # one CTA an SM instead
+    (64, 32, 8, 8192, 128, False),   # 512 CTAs: two waves already
+    (8, 32, 8, 4096, 128, False),    # 128 CTAs, fewer than the SMs: no ranking
+    (1, 32, 8, 8192, 128, False),
+])
+def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(batch, hq, hkv, capacity, head_dim,
+                                                                            two_waves):
+    """Twice the splits for a ragged batch where the plan's grid is one wave at two CTAs an SM and
+    every CTA of it works for equal rows too (Plan::ragged_two_waves): equal rows keep the one wave
+    (equal_rows_splits), and so do ragged rows whose shortest sees at least 8/16 of the longest
+    one's keys (near_equal_sixteenths); where the launch keeps to one CTA an SM, 15/16."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
+    assert plan["ragged_two_waves"] is two_waves, plan
+    if two_waves:
+        assert plan["longest_first"] and plan["max_splits"] == 2 * plan["equal_rows_splits"] <= 16, plan
+        assert plan["near_equal_sixteenths"] == 8, plan
+    else:
+        assert plan["near_equal_sixteenths"] == (15 if plan["one_cta_per_sm"] else 0), plan
 
 
 def test_decode_plan_refuses_bad_shapes():

@@ -620,8 +620,8 @@ def test_tuning_switches_name_what_they_expect():
     named_switches = [
         (gqa_torch._C._set_decode_loader, "decode loader", "auto, cp_async, tma, regs_k", "nope", "tma"),
         (gqa_torch._C._set_decode_merge, "decode merge", "auto, kernel, arrival", "cluster", "kernel"),
-        (gqa_torch._C._set_decode_schedule, "decode schedule", "auto, rows, longest_first, keep_splits, two_per_sm",
-         "even", "keep_splits"),
+        (gqa_torch._C._set_decode_schedule, "decode schedule",
+         "auto, rows, longest_first, keep_splits, two_per_sm, one_wave", "even", "keep_splits"),
         (gqa_torch._C._set_decode_features, "decode features", "auto, general", "plain", "general"),
         (gqa_torch._C._set_decode_early_tiles, "decode early tiles", "auto, off", "late", "off"),
         (gqa_torch._C._set_decode_l2_prefetch, "decode L2 prefetch", "auto, off, on", "evict_last", "on"),

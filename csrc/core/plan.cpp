@@ -81,6 +81,33 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // CTA an SM was 0.8-7% slower (B8 L8192 69.4 against 66.4, B64 L1024 71.8 against 67.0,
     // ragged B32 L8192 163.5 against 155.2). Measured at head size 128 only.
     plan.one_cta_per_sm = p.head_dim == 128 && plan.equal_rows_splits == 1 && slots * splits <= 2 * sms;
+    if (plan.one_cta_per_sm) plan.near_equal_sixteenths = 15;
+    // A ragged batch in two waves where the plan's grid is one wave at two CTAs an SM, every
+    // CTA of it working for equal rows too. In one wave each SM's share of a ragged batch is
+    // fixed at the launch; in two (twice the splits, dispatched longest first) the SMs that
+    // finish first take the next CTAs. Equal rows keep the one wave (equal_rows_splits), whose
+    // leaving CTAs cost little where two CTAs an SM fill the GPU, and so do ragged batches whose
+    // shortest row sees half the longest one's keys or more (the equal rows' grid, in row
+    // order): there two waves of short splits cost more than one wave's uneven shares. H200,
+    // thirty-sixth round, interleaved, us, two waves / the one wave before:
+    //   B8 32/8 L8192, lengths uniform in [256, 8192]  40.8-41.7 / 47.3-48.1
+    //   ... from 2,048 / 3,072                          44.4-44.7 / 48.7-50.3, 48.4-48.6 / 52.1-52.3
+    //   B8 L16384 from 256 / 4,096                      56.1-56.2 / 71.4-71.8, 90.4-91.2 / 101.8-103.3
+    //   B4 L16384 from 256                              48.4-48.5 / 51.2-54.5
+    //   B8 L8192 equal rows                             65.3-65.6 / 65.0-65.2 (cuDNN 66.2-66.3)
+    // and with the bound, in the equal rows' grid / two waves / the one wave before:
+    //   B8 L8192 from 4,096 / 5,000 / 7,000  52.6 / 54.9-55.0 / 54.7, 54.6 / 56.1-56.2 / 56.6-56.9,
+    //                                        60.6-60.8 / 63.7 / 61.2-61.6
+    //   B8 L16384 from 8,192 / 12,000        105.2-105.3 / 100.8 / 109.6-110.1,
+    //                                        108.7-108.8 / 109.4-109.8 / 111.1-111.4
+    // Measured at head size 128 only. The splits stay within the in-launch merge's bound.
+    if (p.head_dim == 128 && plan.longest_first && plan.equal_rows_splits == 0 && slots * splits <= 2 * sms &&
+        2 * splits <= kMaxInLaunchMergeSplits) {
+      plan.equal_rows_splits = static_cast<int32_t>(splits);
+      plan.max_splits = static_cast<int32_t>(2 * splits);
+      plan.ragged_two_waves = true;
+      plan.near_equal_sixteenths = 8;
+    }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
     // query blocks, so few CTAs would each stream the whole cache while most SMs idle. Then

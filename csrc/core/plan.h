@@ -49,8 +49,19 @@ struct Plan {
   // CTA an SM the grid is two waves, dispatched longest first (plan.cpp). Nearly equal rows
   // then take the equal rows' one split too (decode_schedule.cuh).
   bool one_cta_per_sm = false;
+  // Decode, with equal_rows_splits: a ragged batch whose shortest row sees at least this many
+  // sixteenths of the longest one's keys takes the equal rows' splits too (nearly equal rows:
+  // decode_schedule.cuh); 0: only a batch of equal rows does.
+  int32_t near_equal_sixteenths = 0;
+  // Decode, at head size 128: max_splits is twice equal_rows_splits, the splits of a grid of
+  // one wave at two CTAs an SM, so that a ragged batch runs in two waves (plan.cpp).
+  bool ragged_two_waves = false;
   WorkspaceLayout workspace;
 };
+
+// The most splits a decode launch merges inside itself (the last split CTA of each slot to
+// arrive, decode_arrival.cuh); with more, the merge kernel runs after it.
+constexpr int32_t kMaxInLaunchMergeSplits = 16;
 
 // Rounds up to a multiple of the workspace alignment (256 bytes, the allocator's own).
 size_t align_workspace(size_t bytes);

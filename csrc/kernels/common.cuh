@@ -41,9 +41,12 @@ struct Work {
   // equal_rows_splits; decode_schedule.cuh); 0: active_splits as for any batch.
   int32_t equal_rows_splits = 0;
   // Decode (Plan::one_cta_per_sm): the launch asks for more than half an SM's shared memory, so
-  // that one CTA an SM fits, and nearly equal rows take equal_rows_splits too
-  // (decode_schedule.cuh).
+  // that one CTA an SM fits.
   int32_t one_cta_per_sm = 0;
+  // Decode, with equal_rows_splits: nearly equal rows take them too, where the shortest row sees
+  // at least this many sixteenths of the longest one's keys (Plan::near_equal_sixteenths;
+  // decode_schedule.cuh); 0: only equal rows.
+  int32_t near_equal_sixteenths = 0;
   // Decode: the per-stream arrival counters (Params::arrival_counters), one per (row, kv head,
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
   // otherwise. They are zero between calls: the last CTA resets its counter.

@@ -896,7 +896,7 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   // CTA was resident at once; that code was a quarter of the kernel, and without it the warps,
   // which wait for instructions to be fetched at B = 1, ran 2-4% faster on every latency row:
   // NOTES.md.)
-  constexpr int kAutoMaxArrivalSplits = 16;
+  constexpr int kAutoMaxArrivalSplits = kMaxInLaunchMergeSplits;
   const int merge = g_decode_merge.load(std::memory_order_relaxed);
   const bool auto_arrival = w.max_splits <= kAutoMaxArrivalSplits;
   Work wk = w;

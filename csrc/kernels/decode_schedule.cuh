@@ -15,9 +15,9 @@
 // CTAs in that order, so the working CTAs spread evenly over the SMs. (Leaving CTAs interleaved
 // with working ones, as split-fastest coordinates would have them, gave some SMs two working
 // CTAs and others none: H200, thirty-first round, B16 64/8 L8192 131.7-132.3 us against 128.2
-// with the plan's 2 splits and 124.1 with one split a row in a grid of one.) Where the launch
-// keeps to one CTA an SM (Work::one_cta_per_sm), so does a batch of nearly equal rows (the
-// shortest sees at least 15/16 of the longest one's keys).
+// with the plan's 2 splits and 124.1 with one split a row in a grid of one.) So does a batch of
+// nearly equal rows, where the plan says so (Work::near_equal_sixteenths: the shortest row sees
+// at least that many sixteenths of the longest one's keys).
 //
 // Every CTA reads the whole batch's seqlens_k to rank them. They are read before the PDL wait
 // (pdl_early_read: no kernel of this extension writes seqlens_k).
@@ -42,14 +42,14 @@ struct RankedRow {
   int seqlen;  // its seqlens_k, so that the kernel need not read it again after the ranking
   int own;     // seqlens_k[threadIdx.x] (0 past the batch): the fused row checks start there
   bool equal_rows;  // every row of the batch sees as many keys (false where nothing was ranked)
-  bool nearly_equal_rows;  // the shortest row sees at least 15/16 of the longest one's keys
+  bool nearly_equal_rows;  // the shortest row sees at least w.near_equal_sixteenths of the longest one's keys
 };
 
 // The batch row of rank `rank`. Called by every thread of the CTA (it synchronises). Batches of
 // more rows than the CTA has threads keep row order. `row_seqlens` (kThreads entries of shared
 // memory) receives every row's seqlens_k.
 template <int kThreads>
-__device__ RankedRow longest_first_row(const Params& p, int rank, int* row_seqlens) {
+__device__ RankedRow longest_first_row(const Params& p, const Work& w, int rank, int* row_seqlens) {
   __shared__ int row_keys[kThreads];
   __shared__ int2 claim;
   __shared__ int2 key_range;  // (the longest row's keys, the shortest's)
@@ -74,7 +74,8 @@ __device__ RankedRow longest_first_row(const Params& p, int rank, int* row_seqle
   }
   // (The barrier that publishes the claim also tells whether every row matches row 0.)
   const bool equal_rows = __syncthreads_and(tid >= p.batch || mine == row_keys[0]) != 0;
-  const bool nearly_equal_rows = 16LL * key_range.y >= 15LL * key_range.x;
+  const bool nearly_equal_rows =
+      w.near_equal_sixteenths > 0 && 16LL * key_range.y >= static_cast<long long>(w.near_equal_sixteenths) * key_range.x;
   return RankedRow{claim.x, claim.y, seqlen, equal_rows, nearly_equal_rows};
 }
 
@@ -97,12 +98,14 @@ __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
                      RankedRow{static_cast<int>(blockIdx.z), 0, 0, false, false}, false};
   __shared__ int row_seqlens[kThreads];
   DecodeCta c{static_cast<int>(blockIdx.x), w.max_splits, static_cast<int>(blockIdx.y),
-              longest_first_row<kThreads>(p, blockIdx.z, row_seqlens), false};
-  // Where the launch keeps to one CTA an SM (Work::one_cta_per_sm), nearly equal rows take the
-  // equal rows' one split too: there the plan's splits would run in two waves of the rows'
+              longest_first_row<kThreads>(p, w, blockIdx.z, row_seqlens), false};
+  // Nearly equal rows (Work::near_equal_sixteenths) take the equal rows' splits too. Where the
+  // launch keeps to one CTA an SM (15/16) the plan's splits would run in two waves of the rows'
   // halves (H200, thirty-fifth round, B16 64/8, lengths from 8,000 to 8,192: 130.6 us, against
-  // 127.2-127.4 at two CTAs an SM and 125.3-125.5 in one split).
-  const bool equal = c.ranked.equal_rows || (w.one_cta_per_sm != 0 && c.ranked.nearly_equal_rows);
+  // 127.2-127.4 at two CTAs an SM and 125.3-125.5 in one split); where the plan doubled the
+  // splits of one wave for a ragged batch (8/16), two waves of short splits cost more than the
+  // one wave's spread of shares (plan.cpp).
+  const bool equal = c.ranked.equal_rows || c.ranked.nearly_equal_rows;
   if (w.equal_rows_splits > 0 && equal) {
     // In row order (which equal rows rank in; nearly equal ones stream in one wave, so their
     // order does not matter), the first equal_rows_splits x gridDim.y x rows CTAs in grid order

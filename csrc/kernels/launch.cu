@@ -93,10 +93,18 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
       w.arrivals = p.arrival_counters;
     const int schedule = detail::g_decode_schedule.load(std::memory_order_relaxed);
     w.longest_first = tc && (schedule == 2 || (schedule != 1 && plan.longest_first)) ? 1 : 0;
+    // Schedule 5 runs a ragged batch in the plan's one wave (Plan::ragged_two_waves): the
+    // equal rows' splits for every batch. (The workspace holds the plan's splits.)
+    const bool one_wave = schedule == 5 && plan.ragged_two_waves;
+    if (one_wave) w.max_splits = plan.equal_rows_splits;
     // (launch_decode_kernel drops it without the in-launch merge: the merge kernel counts a
     // row's splits from its length alone.)
-    w.equal_rows_splits = w.longest_first && schedule != 3 ? plan.equal_rows_splits : 0;
-    w.one_cta_per_sm = w.equal_rows_splits > 0 && schedule == 0 && plan.one_cta_per_sm ? 1 : 0;
+    w.equal_rows_splits = w.longest_first && schedule != 3 && !one_wave ? plan.equal_rows_splits : 0;
+    w.one_cta_per_sm = w.equal_rows_splits > 0 && (schedule == 0 || schedule == 5) && plan.one_cta_per_sm ? 1 : 0;
+    // (Schedule 4 keeps two CTAs an SM, and with it the launch before nearly equal rows took the
+    // equal rows' splits there.)
+    w.near_equal_sixteenths =
+        w.equal_rows_splits > 0 && (w.one_cta_per_sm != 0 || !plan.one_cta_per_sm) ? plan.near_equal_sixteenths : 0;
     w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;
     // The prefetched lines must survive in L2 until the wait ends, while the kernel before
     // streams its own bytes. On an H200 (twenty-fifth round, the kernel before being the same

@@ -32,7 +32,8 @@ void set_decode_merge(int merge);
 // more CTAs than SMs and long splits), 1 row order always, 2 longest first always (batches of
 // up to one row a thread of the CTA; larger ones keep row order), 3 as auto, but a batch of
 // equal rows keeps the plan's splits (auto takes Plan::equal_rows_splits), 4 as auto, but two
-// CTAs an SM where auto keeps to one (Plan::one_cta_per_sm). The generic kernel keeps row order.
+// CTAs an SM where auto keeps to one (Plan::one_cta_per_sm), 5 as auto, but a ragged batch in
+// one wave where auto takes two (Plan::ragged_two_waves). The generic kernel keeps row order.
 void set_decode_schedule(int schedule);
 
 // Tests and benchmarks: which build of the tensor-core decode kernel runs. 0 auto (one compiled

@@ -133,7 +133,7 @@ void set_decode_merge(const std::string& merge) {
 
 void set_decode_schedule(const std::string& schedule) {
   // The index is the schedule code of kernels/launch.h.
-  static const char* const kSchedules[] = {"auto", "rows", "longest_first", "keep_splits", "two_per_sm"};
+  static const char* const kSchedules[] = {"auto", "rows", "longest_first", "keep_splits", "two_per_sm", "one_wave"};
   set_switch(kSchedules, schedule, "decode schedule", GQA_CUDA_SWITCH(set_decode_schedule));
 }
 
@@ -305,6 +305,8 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
     if (g_min_split_keys_override > 0) plan.min_split_keys = g_min_split_keys_override;
     plan.equal_rows_splits = 0;  // (a batch of equal rows takes the pinned count too)
     plan.one_cta_per_sm = false;
+    plan.near_equal_sixteenths = 0;
+    plan.ragged_two_waves = false;
     layout_workspace(plan, p);
   }
   // One allocation from PyTorch's caching allocator (stream-ordered and capture-safe), when

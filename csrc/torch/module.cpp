@@ -45,8 +45,9 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: the order in which the decode kernel takes the batch's rows, \"auto\" (the "
         "default: longest first where the plan says so, and a batch of equal rows in the plan's fewer splits for "
         "them), \"rows\" (row order), \"longest_first\" (decreasing visible length, wherever it can run), "
-        "\"keep_splits\" (as auto, but a batch of equal rows keeps the plan's splits) or \"two_per_sm\" (as auto, "
-        "but two CTAs an SM where auto keeps to one).");
+        "\"keep_splits\" (as auto, but a batch of equal rows keeps the plan's splits) , \"two_per_sm\" (as auto, "
+        "but two CTAs an SM where auto keeps to one) or \"one_wave\" (as auto, but a ragged batch in one wave "
+        "where auto takes two).");
   m.def("_set_decode_features", &gqa::set_decode_features, pybind11::arg("features"),
         "Tests and benchmarks: which build of the tensor-core decode kernel runs, \"auto\" (the default: one "
         "compiled without RoPE, softcap, local windows, head sinks and smooth softmax for the calls that use none "
@@ -86,9 +87,11 @@ PYBIND11_MODULE(_C, m) {
     out["longest_first"] = plan.longest_first;
     out["equal_rows_splits"] = plan.equal_rows_splits;
     out["one_cta_per_sm"] = plan.one_cta_per_sm;
+    out["near_equal_sixteenths"] = plan.near_equal_sixteenths;
+    out["ragged_two_waves"] = plan.ragged_two_waves;
     return out;
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
-        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, "Tests: the decode plan's split counts, row order and CTAs an SM for these shapes (core/plan.cpp), on the "
+        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, "Tests: the decode plan's split counts, row order, CTAs an SM and waves for these shapes (core/plan.cpp), on the "
         "host.");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
