@@ -852,6 +852,22 @@ def _ragged_pasts(rng, batch, capacity):
     return past
 
 
+def _check_ragged_batches(shape, seed, schedule, dtype, features):
+    """A ragged batch (_ragged_pasts, drawn from `seed`) at `shape` (batch, q heads, kv heads,
+    capacity) under the decode schedule `schedule`, one a feature of FEATURE_CYCLE (the indices
+    `features`): ops and layouts alternating, head sizes 128 and 64 in pairs, against the
+    reference and the CPU backend."""
+    batch, hq, hkv, capacity = shape
+    rng = random.Random(seed)
+    with _decode_pinned(schedule=schedule):
+        for j, i in enumerate(features):
+            case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                             head_dim=[128, 64][(j // 2) % 2], capacity=capacity,
+                             past_lengths=_ragged_pasts(rng, batch, capacity), dtype=DTYPES[dtype], layout=j % 2,
+                             **FEATURE_CYCLE[i])
+            _run_cuda_and_cpu(case)
+
+
 @pytest.mark.parametrize("dtype,schedule,features", [
     ("bf16", "auto", [0, 1, 2, 4]), ("fp16", "auto", [4, 0]), ("bf16", "two_per_sm", [0, 2])])
 def test_cuda_decode_ragged_batch_one_cta_an_sm(dtype, schedule, features):
@@ -863,14 +879,7 @@ def test_cuda_decode_ragged_batch_one_cta_an_sm(dtype, schedule, features):
     against the reference and the CPU backend."""
     batch, hq, hkv, capacity, plan = _equal_rows_shape("one")
     assert plan["one_cta_per_sm"], plan
-    rng = random.Random(31)
-    with _decode_pinned(schedule=schedule):
-        for j, i in enumerate(features):
-            case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
-                             head_dim=[128, 64][(j // 2) % 2], capacity=capacity,
-                             past_lengths=_ragged_pasts(rng, batch, capacity), dtype=DTYPES[dtype], layout=j % 2,
-                             **FEATURE_CYCLE[i])
-            _run_cuda_and_cpu(case)
+    _check_ragged_batches((batch, hq, hkv, capacity), 31, schedule, dtype, features)
 
 
 @pytest.mark.parametrize("schedule", ["auto", "two_per_sm"])
@@ -917,14 +926,7 @@ def test_cuda_decode_ragged_batch_two_waves(dtype, schedule, features):
     ops and layouts, head sizes 128 and 64 (where the plan keeps one wave), against the reference
     and the CPU backend."""
     batch, hq, hkv, capacity, _ = _two_waves_shape()
-    rng = random.Random(53)
-    with _decode_pinned(schedule=schedule):
-        for j, i in enumerate(features):
-            case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
-                             head_dim=[128, 64][(j // 2) % 2], capacity=capacity,
-                             past_lengths=_ragged_pasts(rng, batch, capacity), dtype=DTYPES[dtype], layout=j % 2,
-                             **FEATURE_CYCLE[i])
-            _run_cuda_and_cpu(case)
+    _check_ragged_batches((batch, hq, hkv, capacity), 53, schedule, dtype, features)
 
 
 @pytest.mark.parametrize("schedule", ["auto", "one_wave"])
