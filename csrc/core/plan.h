@@ -47,7 +47,7 @@ struct Plan {
   // of equal rows takes one split, one CTA an SM anyway. Then every CTA of a ragged batch would
   // be resident at once, so none of its work could move to an SM that finished early; at one
   // CTA an SM the grid is two waves, dispatched longest first (plan.cpp). Nearly equal rows
-  // then take the equal rows' one split too (decode_schedule.cuh).
+  // then take the equal rows' one split too (near_equal_sixteenths 15).
   bool one_cta_per_sm = false;
   // Decode, with equal_rows_splits: a ragged batch whose shortest row sees at least this many
   // sixteenths of the longest one's keys takes the equal rows' splits too (nearly equal rows:

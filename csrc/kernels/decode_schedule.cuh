@@ -42,7 +42,8 @@ struct RankedRow {
   int seqlen;  // its seqlens_k, so that the kernel need not read it again after the ranking
   int own;     // seqlens_k[threadIdx.x] (0 past the batch): the fused row checks start there
   bool equal_rows;  // every row of the batch sees as many keys (false where nothing was ranked)
-  bool nearly_equal_rows;  // the shortest row sees at least w.near_equal_sixteenths of the longest one's keys
+  bool nearly_equal_rows;  // the shortest row sees at least w.near_equal_sixteenths / 16 of the
+                           // longest one's keys
 };
 
 // The batch row of rank `rank`. Called by every thread of the CTA (it synchronises). Batches of
@@ -74,8 +75,8 @@ __device__ RankedRow longest_first_row(const Params& p, const Work& w, int rank,
   }
   // (The barrier that publishes the claim also tells whether every row matches row 0.)
   const bool equal_rows = __syncthreads_and(tid >= p.batch || mine == row_keys[0]) != 0;
-  const bool nearly_equal_rows =
-      w.near_equal_sixteenths > 0 && 16LL * key_range.y >= static_cast<long long>(w.near_equal_sixteenths) * key_range.x;
+  const bool nearly_equal_rows = w.near_equal_sixteenths > 0 &&
+                                 16LL * key_range.y >= static_cast<long long>(w.near_equal_sixteenths) * key_range.x;
   return RankedRow{claim.x, claim.y, seqlen, equal_rows, nearly_equal_rows};
 }
 

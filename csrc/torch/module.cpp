@@ -45,7 +45,7 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: the order in which the decode kernel takes the batch's rows, \"auto\" (the "
         "default: longest first where the plan says so, and a batch of equal rows in the plan's fewer splits for "
         "them), \"rows\" (row order), \"longest_first\" (decreasing visible length, wherever it can run), "
-        "\"keep_splits\" (as auto, but a batch of equal rows keeps the plan's splits) , \"two_per_sm\" (as auto, "
+        "\"keep_splits\" (as auto, but a batch of equal rows keeps the plan's splits), \"two_per_sm\" (as auto, "
         "but two CTAs an SM where auto keeps to one) or \"one_wave\" (as auto, but a ragged batch in one wave "
         "where auto takes two).");
   m.def("_set_decode_features", &gqa::set_decode_features, pybind11::arg("features"),
