@@ -104,34 +104,34 @@ def test_decode_plan_keeps_one_cta_an_sm_where_a_ragged_batch_would_be_one_wave(
         assert plan["longest_first"] and plan["equal_rows_splits"] == 1, plan
 
 
-@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,two_waves", [
-    (8, 32, 8, 8192, 128, True),     # bench_decode.py's B8 L8192 row: 4 splits, 256 CTAs, 264 slots
-    (8, 32, 8, 16384, 128, True),
-    (4, 32, 8, 16384, 128, True),    # 8 splits
-    (4, 32, 8, 32768, 128, True),
-    (40, 16, 4, 2100, 128, True),    # 160 CTAs of one split
-    (8, 32, 8, 8192, 64, False),     # measured at head size 128 only
-    (8, 32, 8, 8192, 256, False),
-    (2, 32, 8, 32768, 128, False),   # 32 splits: past the in-launch merge's 16
-    (8, 32, 8, 32768, 128, False),   # equal rows take 4 of the plan's 8 splits already
-    (16, 64, 8, 8192, 128, False),   # one CTA an SM instead
-    (64, 32, 8, 8192, 128, False),   # 512 CTAs: two waves already
-    (8, 32, 8, 4096, 128, False),    # 128 CTAs, fewer than the SMs: no ranking
-    (1, 32, 8, 8192, 128, False),
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,two_waves,near_equal", [
+    (8, 32, 8, 8192, 128, True, 8),      # bench_decode.py's B8 L8192 row: 4 splits, 256 CTAs, 264 slots
+    (8, 32, 8, 16384, 128, True, 11),    # the doubled splits hold 2,048 keys
+    (4, 32, 8, 16384, 128, True, 8),     # 8 splits to 16 of 1,024 keys
+    (4, 32, 8, 32768, 128, True, 11),
+    (4, 32, 8, 32767, 128, True, 8),     # ... of 2,047
+    (40, 16, 4, 2100, 128, True, 8),     # 160 CTAs of one split
+    (8, 32, 8, 8192, 64, False, 0),      # measured at head size 128 only
+    (8, 32, 8, 8192, 256, False, 0),
+    (2, 32, 8, 32768, 128, False, 0),    # 32 splits: past the in-launch merge's 16
+    (8, 32, 8, 32768, 128, False, 0),    # equal rows take 4 of the plan's 8 splits already
+    (16, 64, 8, 8192, 128, False, 15),   # one CTA an SM instead
+    (64, 32, 8, 8192, 128, False, 0),    # 512 CTAs: two waves already
+    (8, 32, 8, 4096, 128, False, 0),     # 128 CTAs, fewer than the SMs: no ranking
+    (1, 32, 8, 8192, 128, False, 0),
 ])
 def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(batch, hq, hkv, capacity, head_dim,
-                                                                            two_waves):
+                                                                            two_waves, near_equal):
     """Twice the splits for a ragged batch where the plan's grid is one wave at two CTAs an SM and
     every CTA of it works for equal rows too (Plan::ragged_two_waves): equal rows keep the one wave
     (equal_rows_splits), and so do ragged rows whose shortest sees at least 8/16 of the longest
-    one's keys (near_equal_sixteenths); where the launch keeps to one CTA an SM, 15/16."""
+    one's keys, or 11/16 where the doubled splits hold 2,048 keys of capacity
+    (near_equal_sixteenths); where the launch keeps to one CTA an SM, 15/16."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert plan["ragged_two_waves"] is two_waves, plan
+    assert plan["near_equal_sixteenths"] == near_equal, plan
     if two_waves:
         assert plan["longest_first"] and plan["max_splits"] == 2 * plan["equal_rows_splits"] <= 16, plan
-        assert plan["near_equal_sixteenths"] == 8, plan
-    else:
-        assert plan["near_equal_sixteenths"] == (15 if plan["one_cta_per_sm"] else 0), plan
 
 
 def test_decode_plan_refuses_bad_shapes():

@@ -88,7 +88,9 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // finish first take the next CTAs. Equal rows keep the one wave (equal_rows_splits), whose
     // leaving CTAs cost little where two CTAs an SM fill the GPU, and so do ragged batches whose
     // shortest row sees half the longest one's keys or more (the equal rows' grid, in row
-    // order): there two waves of short splits cost more than one wave's uneven shares. H200,
+    // order): there two waves of short splits cost more than one wave's uneven shares. Where
+    // the doubled splits hold 2,048 keys of capacity (the longest they get: the plan's splits
+    // are then at most 4,096), two waves pay closer to equal rows, so the bound is 11/16. H200,
     // thirty-sixth round, interleaved, us, two waves / the one wave before:
     //   B8 32/8 L8192, lengths uniform in [256, 8192]  40.8-41.7 / 47.3-48.1
     //   ... from 2,048 / 3,072                          44.4-44.7 / 48.7-50.3, 48.4-48.6 / 52.1-52.3
@@ -100,13 +102,16 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     //                                        60.6-60.8 / 63.7 / 61.2-61.6
     //   B8 L16384 from 8,192 / 12,000        105.2-105.3 / 100.8 / 109.6-110.1,
     //                                        108.7-108.8 / 109.4-109.8 / 111.1-111.4
+    // and the bound 11/16 against 8/16 there, us: B8 L16384 from 8,192 102.6-102.9 against
+    // 107.1-107.6, from 10,000 106.0 against 110.1-110.2, from 11,500 and 12,000 level; B4
+    // L32768 from 16,384 97.8-98.0 against 101.0, from 22,000 level.
     // Measured at head size 128 only. The splits stay within the in-launch merge's bound.
     if (p.head_dim == 128 && plan.longest_first && plan.equal_rows_splits == 0 && slots * splits <= 2 * sms &&
         2 * splits <= kMaxInLaunchMergeSplits) {
       plan.equal_rows_splits = static_cast<int32_t>(splits);
       plan.max_splits = static_cast<int32_t>(2 * splits);
       plan.ragged_two_waves = true;
-      plan.near_equal_sixteenths = 8;
+      plan.near_equal_sixteenths = p.capacity / plan.max_splits >= 2048 ? 11 : 8;
     }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few

@@ -54,7 +54,8 @@ struct Plan {
   // decode_schedule.cuh); 0: only a batch of equal rows does.
   int32_t near_equal_sixteenths = 0;
   // Decode, at head size 128: max_splits is twice equal_rows_splits, the splits of a grid of
-  // one wave at two CTAs an SM, so that a ragged batch runs in two waves (plan.cpp).
+  // one wave at two CTAs an SM, so that a ragged batch runs in two waves (plan.cpp; nearly equal
+  // rows keep the one wave: near_equal_sixteenths 8, or 11 where the splits hold 2,048 keys).
   bool ragged_two_waves = false;
   WorkspaceLayout workspace;
 };
