@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
+import os
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -1119,6 +1122,68 @@ def test_cuda_decode_graph_beside_eager_calls_on_its_capture_stream():
     assert_output_close(graph_out, ref_out, before_graph, suite="cuda_graph")
     check_caches(before_graph, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
     _assert_each_matches_reference(outs, eager, befores)
+
+
+def _under_compute_sanitizer():
+    """True when compute-sanitizer runs this process: it sets NV_SANITIZER_INJECTION_* variables
+    for the library it injects (seen with compute-sanitizer 13.0 on the H200)."""
+    return any(k.startswith("NV_SANITIZER_INJECTION") for k in os.environ)
+
+
+def _settled_lanes_held(timeout_s=10.0):
+    """The lanes of arrival counters held on this device, once the count has stopped changing
+    (a destroyed graph's lane comes back from a CUDA thread, some time after the graph goes), or
+    the last count seen after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last, steady = None, 0
+    while True:
+        gc.collect()
+        torch.cuda.synchronize()
+        held = gqa_torch._C._arrival_lanes_held(torch.cuda.current_device())
+        steady = steady + 1 if held == last else 0
+        last = held
+        if steady >= 5 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.02)
+
+
+def test_cuda_graph_lanes_come_back_with_their_graphs():
+    """Each CUDA graph that captures a decode call holds a lane of arrival counters of its own
+    (graphs replayed on two streams at once must not share counters), and destroying the graph
+    gives the lane back. Five live graphs hold five more lanes and give all five back. Then 300
+    captures in turn, each destroyed before the next (there are 256 lanes), leave the count
+    where it started, and every 50th replay matches the reference. (Each capture used to keep its
+    lane for good: past the 256th, decode calls merged their splits in the slower merge kernel.)
+    The captures take no warm-up on side streams, whose eager calls would hold lanes of their
+    own."""
+    with _decode_pinned("arrival", 16, 1):
+        static = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=600,
+                           past_lengths=[500, 300], dtype=torch.bfloat16, device="cuda", poison_unused=False)
+        _inplace_step(static)  # (the error word and this stream's lane exist before the count)
+        start = _settled_lanes_held()
+        graphs = []
+        for _ in range(5):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _inplace_step(static)
+            graphs.append(graph)
+        assert _settled_lanes_held() == start + 5
+        del graphs, graph
+        held = _settled_lanes_held()
+        if held != start and _under_compute_sanitizer():
+            pytest.skip(f"under compute-sanitizer the destroyed graphs' user objects were not released "
+                        f"({held - start} of 5 lanes still held): the lanes cannot come back here")
+        assert held == start
+        for i in range(300):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = _inplace_step(static)
+            if i % 50 == 49:
+                _replay_with_fresh_inputs_and_check(graph, static, out, [100 + i, 17 + i])
+            else:
+                graph.replay()
+            del graph, out
+        assert _settled_lanes_held() == start
 
 
 def _inplace_step(static):

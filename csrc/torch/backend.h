@@ -22,6 +22,11 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check);
 // Allocated on first use (outside graph capture).
 at::Tensor error_word(int64_t device_index);
 
+// Tests: how many lanes of decode arrival counters on a device are held, one for each stream
+// that ran a decode call there and one for each capture of one whose graphs are not all
+// destroyed yet (cuda_backend.cpp). 0 in a CPU-only build.
+int64_t arrival_lanes_held(int64_t device_index);
+
 // Tuning hook for benchmarks (never needed for correctness): decode calls use `max_splits`
 // splits (1..128) of at least `min_split_keys` keys instead of the plan's choice; 0 keeps
 // the plan's value. Process-wide.

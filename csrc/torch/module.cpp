@@ -15,6 +15,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("built_with_cuda", &gqa::built_with_cuda, "True when this build compiled the CUDA kernels.");
   m.def("error_word", &gqa::error_word, pybind11::arg("device_index"),
         "The sticky per-device error word, as an int32 tensor aliasing its fixed address.");
+  m.def("_arrival_lanes_held", &gqa::arrival_lanes_held, pybind11::arg("device_index"),
+        "Tests: the lanes of decode arrival counters held on a device, one a stream that ran a decode call "
+        "and one a capture of one whose graphs are not all destroyed yet (0 in a CPU-only build).");
   m.def("set_synchronous_errors", &gqa::set_synchronous_errors, pybind11::arg("enabled"));
   m.def("synchronous_errors", &gqa::synchronous_errors);
   m.def("_set_prefill_route", &gqa::set_prefill_route, pybind11::arg("route"),
