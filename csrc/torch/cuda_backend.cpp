@@ -283,6 +283,11 @@ void reclaim_released_lanes(int device) {
   }
 }
 
+// The counters of `lane` on `device`, in the allocation that device_word made.
+uint32_t* lane_counters(int device, size_t lane) {
+  return g_words[device] + kWordBytes / sizeof(uint32_t) + lane * kArrivalSlots;
+}
+
 // The lane of arrival counters on `device` (whose word device_word allocated) of this stream,
 // or of the capture under way on it; null when every lane is held.
 uint32_t* arrival_lane(int device, cudaStream_t stream) {
@@ -302,7 +307,7 @@ uint32_t* arrival_lane(int device, cudaStream_t stream) {
       return !o.free && o.stream == stream && o.capture_id == capture_id;
     };
     while (lane < owners.size() && !held_by_caller(owners[lane])) ++lane;
-    if (lane < owners.size()) return g_words[device] + kWordBytes / sizeof(uint32_t) + lane * kArrivalSlots;
+    if (lane < owners.size()) return lane_counters(device, lane);
     reclaim_released_lanes(device);
     lane = 0;
     while (lane < owners.size() && !owners[lane].free) ++lane;
@@ -319,7 +324,7 @@ uint32_t* arrival_lane(int device, cudaStream_t stream) {
     owners[lane] = LaneOwner{stream, capture_id, false};
   }
   if (capture_id != 0) tie_lane_to_graph(device, static_cast<int>(lane), graph);
-  return g_words[device] + kWordBytes / sizeof(uint32_t) + lane * kArrivalSlots;
+  return lane_counters(device, lane);
 }
 
 DeviceInfo device_info(int device) {
