@@ -73,8 +73,8 @@ __device__ RankedRow longest_first_row(const Params& p, const Work& w, int rank,
     if (before == 0) key_range.x = mine;
     if (before == p.batch - 1) key_range.y = mine;
   }
-  __syncthreads();  // the claim and the key range
-  const bool equal_rows = key_range.x == key_range.y;
+  // (The barrier that publishes the claim also tells whether every row matches row 0.)
+  const bool equal_rows = __syncthreads_and(tid >= p.batch || mine == row_keys[0]) != 0;
   const bool nearly_equal_rows = w.near_equal_sixteenths > 0 &&
                                  16LL * key_range.y >= static_cast<long long>(w.near_equal_sixteenths) * key_range.x;
   return RankedRow{claim.x, claim.y, seqlen, equal_rows, nearly_equal_rows};
