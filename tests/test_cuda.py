@@ -749,14 +749,17 @@ def test_cuda_decode_arrival_merge_long_and_uneven_splits(dtype, head_dim):
     """The in-launch merge by the last split to finish, in 3 splits, on splits of 16 and 17
     tiles in one (row, kv head) slot (1,024 and 1,025 keys at head sizes 64 and 128, 512 and
     513 at 256, where a tile is 32 keys), splits of 32 tiles and of six, and a row of one key
-    (two empty splits), with every feature, both ops and layouts."""
+    (two empty splits), with every feature, both ops and layouts. Three, four and seven query
+    heads a kv head: at head size 256 the merging CTA's threads take two columns of four at a
+    time (decode_arrival.cuh), and with three and seven heads the last pair has one past the
+    end."""
     tile_keys = 32 if head_dim == 256 else 64
     edge = 16 * tile_keys
     # 3 splits of ceil(n / 3) keys: n = 3 edge + 2 gives two splits of edge + 1 and one of edge.
     lengths = [3 * edge + 2, 6 * edge, edge, 1, 3 * edge - 5]  # visible keys a row
     with _decode_pinned("arrival", 3, 1):
         for i, feat in enumerate(FEATURE_CYCLE):
-            case = make_case(["inplace", "functional"][i % 2], batch=len(lengths), seq=1, num_heads=8,
+            case = make_case(["inplace", "functional"][i % 2], batch=len(lengths), seq=1, num_heads=[8, 6, 14][i % 3],
                              kv_num_heads=2, head_dim=head_dim, capacity=6 * edge + 1,
                              past_lengths=[n - 1 for n in lengths], dtype=DTYPES[dtype],
                              layout=i % 2, **feat)

@@ -686,6 +686,16 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       // 16 KB of K in flight, and rows with one CTA an SM ran up to 1.25x slower than TMA.)
       if (tile + 2 < ntiles) load_k(tile + 2, kc);
     }
+    // At head sizes 128 and 256 the odd k-steps accumulate apart and are added at the end: each
+    // score then waits for two chains of D / 32 dependent mmas instead of one of D / 16, since at
+    // B = 1 a CTA's warps are few and each mma's latency is on the path. H200, thirty-eighth
+    // round, interleaved against one chain (us): B1 L8192 12.07-12.11 against 12.17-12.21, B8
+    // L1024 12.06-12.08 against 12.16-12.24, B1 32/8/256 L1024 11.44-11.46 against 11.49-11.50,
+    // B1 28/4/256 L4096 14.61-14.69 against 14.78-14.86. At 64 and 96 it lost (14/2/64 L1024
+    // 4.25-4.28 against 4.23-4.24, B1 32/8/96 L1024 5.31-5.32 against 5.19-5.22), so they keep
+    // one chain.
+    constexpr bool kTwoChains = D >= 128;
+    float sc_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < (kRegK ? 0 : D / 16); ++kk) {
       uint32_t a[4];
@@ -696,8 +706,16 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
       }
       uint32_t bk[4];
       ldmatrix_x4(bk, slice_chunk(stage, false, (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
-      mma16816<T>(sc[0], a, bk[0], bk[1]);
-      mma16816<T>(sc[1], a, bk[2], bk[3]);
+      float (&acc)[2][4] = kTwoChains && (kk & 1) ? sc_odd : sc;
+      mma16816<T>(acc[0], a, bk[0], bk[1]);
+      mma16816<T>(acc[1], a, bk[2], bk[3]);
+    }
+    if constexpr (kTwoChains && !kRegK) {
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nn][e] += sc_odd[nn][e];
+      }
     }
 
     // Scores -> log2 domain, masked past k1; per-row (head) max over this warp's 16 keys.
