@@ -19,6 +19,7 @@ import os
 import random
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -663,6 +664,47 @@ def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader):
         _run_cuda_and_cpu(case)
 
 
+
+def _decode_loader_codes(names, head_dim):
+    """The loader template argument (DecodeLoader in decode_mma.cuh) of each decode kernel at
+    `head_dim` among the profiler's kernel names, demangled or not."""
+    codes = []
+    for name in names:
+        m = (re.search(rf"decode_mma_kernel<[^,<>]+,\s*{head_dim},\s*(\d+)", name)
+             or re.search(rf"decode_mma_kernelI\w+?Li{head_dim}ELi(\d+)E", name))
+        if m:
+            codes.append(int(m.group(1)))
+    return codes
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("batch,hq,hkv,loader", [(1, 32, 8, "auto"), (1, 32, 8, "tma"), (1, 32, 8, "cp_async"),
+                                                 (8, 32, 8, "auto"), (34, 8, 4, "auto"), (34, 8, 4, "tma")])
+def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, loader):
+    """At head size 256 the decode kernel runs four warps a CTA, loading by TMA (loader code 3),
+    where its grid is one wave at one CTA an SM (on an H200: B = 1 with 8 kv heads in 16 splits,
+    B = 8 in 2), and two warps by TMA (code 1) where more CTAs stream (B = 34 with 4 kv heads:
+    136 CTAs of one split) or by cp.async under its pin (code 0). Each matches the reference and
+    the CPU backend, in place, without features (the plan's kernel without them) and with RoPE,
+    softcap, a sink and ragged rows."""
+    if loader != "cp_async" and (torch.cuda.get_device_capability()[0] != 9
+                                 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]):
+        pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
+    capacity = {1: 2048, 8: 1100, 34: 300}[batch]
+    pasts = {1: [1999], 8: [1099, 17, 600, 1098, 256, 900, 1, 1050], 34: [(37 * i) % 299 for i in range(34)]}[batch]
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    ctas = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=256)["max_splits"] * batch * hkv
+    code = 0 if loader == "cp_async" else (3 if ctas <= sms else 1)
+    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+        for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True)):
+            case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=256,
+                             capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype], **feat)
+            _run_cuda_and_cpu(case)
+            names = _cuda_kernel_names(lambda: case.to("cuda").run())
+            if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
+                pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+            assert _decode_loader_codes(names, 256) == [code], (ctas, sms, names)
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("softcap", [1e4, 1e6, 3e38])
 @pytest.mark.parametrize("seq", [1, 64])
@@ -1188,6 +1230,73 @@ def test_cuda_graph_lanes_come_back_with_their_graphs():
             del graph, out
         assert _settled_lanes_held() == start
 
+
+
+def _lane_warnings(capture, capfd):
+    """The "every lane is held" warnings given while `capture()` runs. A TORCH_WARN in a custom
+    op reaches C++'s warning handler, which writes it to stderr (seen with torch 2.11), not
+    Python's warnings; both are read."""
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = capture()
+    said = [str(w.message) for w in caught] + capfd.readouterr().err.splitlines()
+    return result, [text for text in said if "lanes of decode arrival counters" in text]
+
+
+def test_cuda_decode_with_every_lane_held_warns_and_merges_in_the_kernel(capfd):
+    """With all 256 lanes of arrival counters held (live graphs that each captured a decode
+    call), a capture that needs a lane of its own finds none: it warns, naming the lanes and how
+    to give them back, and its decode call merges the splits in the merge kernel, whose replay
+    matches the reference. A second such capture does not warn again; once a graph is destroyed
+    its lane serves the next capture, and the one after it, finding every lane held again, warns
+    again. Destroying the graphs gives every lane back, and the next capture takes one again and
+    matches too."""
+    device = torch.cuda.current_device()
+
+    def capture(pool):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = _inplace_step(static)
+        return graph, out
+
+    with _decode_pinned("arrival", 16, 1):
+        static = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=600,
+                           past_lengths=[500, 300], dtype=torch.bfloat16, device="cuda", poison_unused=False)
+        _inplace_step(static)  # (the error word and this stream's lane exist before the count)
+        start = _settled_lanes_held()
+        assert start < 256
+        graphs, pool = [], None
+        while gqa_torch._C._arrival_lanes_held(device) < 256 and len(graphs) < 300:
+            graphs.append(capture(pool)[0])
+            pool = graphs[-1].pool()
+        assert _settled_lanes_held() == 256
+
+        (laneless, laneless_out), said = _lane_warnings(lambda: capture(pool), capfd)
+        assert len(said) == 1, said
+        assert "all 256 lanes" in said[0] and "Destroying CUDA graphs" in said[0], said
+        assert _settled_lanes_held() == 256
+        _replay_with_fresh_inputs_and_check(laneless, static, laneless_out, [431, 250])
+        (second, second_out), said = _lane_warnings(lambda: capture(pool), capfd)
+        assert said == []
+        _replay_with_fresh_inputs_and_check(second, static, second_out, [98, 577])
+
+        del graphs[0]
+        held = _settled_lanes_held()
+        if held == 256 and _under_compute_sanitizer():
+            pytest.skip("under compute-sanitizer a destroyed graph's user object was not released: its lane "
+                        "cannot come back here")
+        assert held == 255
+        (taker, _), said = _lane_warnings(lambda: capture(pool), capfd)
+        assert said == [] and _settled_lanes_held() == 256
+        (third, _), said = _lane_warnings(lambda: capture(pool), capfd)
+        assert len(said) == 1, said
+
+        del graphs, laneless, laneless_out, second, second_out, taker, third
+        assert _settled_lanes_held() == start
+        graph, out = capture(None)
+        assert _settled_lanes_held() == start + 1
+        _replay_with_fresh_inputs_and_check(graph, static, out, [377, 512])
 
 def _inplace_step(static):
     """The in-place op on a case's tensors, for capture: each replay reads and writes them."""

@@ -35,20 +35,26 @@ def test_decode_plan_takes_rows_longest_first_with_more_ctas_than_sms(batch, hq,
     assert (plan["max_splits"], plan["longest_first"]) == (max_splits, longest_first)
 
 
-@pytest.mark.parametrize("batch,capacity,max_splits_128,max_splits_256", [
-    (8, 1024, 2, 4),    # splits of 256 keys two CTAs an SM at head size 256 only
-    (8, 512, 2, 2),     # ... not of 128
-    (1, 8192, 16, 16),  # 33 splits would hold 248 keys
-    (1, 1024, 16, 16),
-    (8, 8192, 8, 4),    # 2,048 keys: two CTAs an SM at every head size (head size 128: twice for a ragged batch)
+@pytest.mark.parametrize("batch,capacity,max_splits_128,two_warps_256,four_warps_256", [
+    (8, 1024, 2, 4, 2),     # splits of 256 keys two CTAs an SM at head size 256 with two warps only
+    (8, 512, 2, 2, 2),      # ... not of 128
+    (1, 8192, 16, 16, 16),  # 33 splits would hold 248 keys
+    (1, 16384, 16, 33, 16),
+    (1, 1024, 16, 16, 16),
+    (2, 8192, 8, 16, 8),
+    (8, 8192, 8, 4, 2),     # 2,048 keys: two CTAs an SM at every head size with two warps (head size 128: twice
+                            # for a ragged batch)
+    (8, 32768, 8, 8, 8),    # a split every 4,096 keys of capacity: more CTAs than SMs either way
 ])
-def test_decode_plan_takes_two_ctas_an_sm_from_shorter_splits_at_head_size_256(batch, capacity, max_splits_128,
-                                                                                 max_splits_256):
-    """At head size 256 a decode CTA has two warps, so the plan takes two CTAs an SM from splits
-    of 256 keys of capacity, where other head sizes need 2,048 (32 query and 8 kv heads)."""
+def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128, two_warps_256, four_warps_256):
+    """At head size 256 a decode CTA of two warps takes two CTAs an SM from splits of 256 keys of
+    capacity, where other head sizes need 2,048 (32 query and 8 kv heads). Where the kernel has
+    four warps a CTA there (an sm90 device and an sm90a build), one CTA an SM: one wave of the
+    plain split count."""
     assert _C._decode_plan(batch, 32, 8, capacity, 132)["max_splits"] == max_splits_128
     assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=128)["max_splits"] == max_splits_128
-    assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256)["max_splits"] == max_splits_256
+    assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256, four_warps_256=False)["max_splits"] == two_warps_256
+    assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256)["max_splits"] == four_warps_256
 
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,max_splits,equal_rows_splits", [

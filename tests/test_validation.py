@@ -657,3 +657,16 @@ def test_timeline_switches_check_their_buffer(kernel, width):
     with pytest.raises(ValueError, match=rf"gqa: {kernel} timeline: expected .*, got Long \[24\] on the CPU"):
         setter(torch.zeros(24, dtype=torch.int64))
     setter(None)  # off, the default
+
+
+def test_arrival_lanes_held_refuses_a_device_index_out_of_range():
+    """The tests' lane count names a device by index, and a CUDA build refuses one outside
+    [0, 64) with a message naming it, before any CUDA call (so this holds on a machine without a
+    GPU too). A CPU-only build has no lanes: 0 for every index."""
+    if not gqa_torch._C.built_with_cuda():
+        assert gqa_torch._C._arrival_lanes_held(0) == 0
+        assert gqa_torch._C._arrival_lanes_held(64) == 0
+        return
+    for bad in (-1, 64, 1 << 40):
+        with pytest.raises(ValueError, match=rf"gqa: device index {bad} out of range"):
+            gqa_torch._C._arrival_lanes_held(bad)

@@ -28,14 +28,18 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // decode kernel then loads K straight into registers (launch_decode_loader), which streams
     // faster than one CTA an SM staging K and V through shared memory. H200, twenty-fifth
     // round: B8 L8192, 4 splits 68.7 us against 2 splits 71.3.
-    // At head size 256 a CTA has two warps (decode_mma.cuh), and two CTAs an SM pay from splits
-    // of 256 keys: H200, thirtieth round, B8 32/8/256 L1024 in 4 splits 31.1 us against 34.8 in
-    // 2 (8: 39.7); B1 32/8/256 L8192 keeps 16 (33 would hold 248 keys).
+    // At head size 256 a CTA of two warps (decode_mma.cuh) paid two an SM from splits of 256
+    // keys (H200, thirtieth round: B8 32/8/256 L1024 in 4 splits 31.1 us against 34.8 in 2).
+    // Where the kernel has four warps a CTA there (DeviceInfo::decode_four_warps_256), one wave
+    // of them at one CTA an SM is faster (thirty-ninth round, interleaved, us, four warps /
+    // two warps two CTAs an SM: B8 L1024 in 2 splits 23.5 / 28.7 in 4, B8 L8192 128.1 / 137.9,
+    // B4 L8192 in 4 splits 69.2 / 79.9 in 8, B2 L8192 in 8 40.3 / 50.8 in 16), so none there.
     const int64_t hchunks = decode_head_chunks(p.group_size);  // CTAs a kv head
     const int64_t slots = base_ctas * hchunks;                  // CTAs a split: (row, kv head, head chunk)
     const int64_t two_per_sm = 2 * sms / (slots > 0 ? slots : 1);
+    const bool four_warps = p.head_dim == 256 && device.decode_four_warps_256;
     const int64_t two_per_sm_min_keys = p.head_dim == 256 ? 256 : 2048;
-    if (two_per_sm > splits && p.capacity / two_per_sm >= two_per_sm_min_keys) splits = two_per_sm;
+    if (!four_warps && two_per_sm > splits && p.capacity / two_per_sm >= two_per_sm_min_keys) splits = two_per_sm;
     if (splits < 1) splits = 1;
     if (splits > 128) splits = 128;  // the merge kernel combines at most 128 splits
     // Never more splits than the capacity can feed. A split never takes fewer than

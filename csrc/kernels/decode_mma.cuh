@@ -37,18 +37,25 @@ namespace detail {
 // and nothing computed (scripts/decode_bw_probe.cu), TMA slices and K by loads with V by TMA
 // both stream 4.5-4.58 TB/s when L2 fetches 128 bytes around each read (Work::l2_fetch; TMA
 // stopped near 4.3 with the 256-byte promotion it had until the twenty-seventh round), and
-// cp.async 4.33.
-enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2 };
+// cp.async 4.33. kLoadTmaFourWarps is the TMA loader with four warps a CTA at head size 256
+// as at the others (see DecodeCfg), for grids of at most one CTA an SM.
+enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaFourWarps = 3 };
 
-// Four warps and 64-key stages (two warps and 32-key stages for D = 256). A variant with two
-// warps, 32-key stages and 6-8 stages was measured slower on every decode row (H200).
+// Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
+// aside), whose ~100 KB of stages let two CTAs share an SM. A variant with two warps, 32-key
+// stages and 6-8 stages was measured slower on every decode row (H200). At D = 256 four warps
+// take about 200 KB, so one CTA an SM: where the grid is one wave at that (B = 1), they read
+// the stages in half the rounds and merge with twice the threads (thirty-ninth round, H200,
+// interleaved, us, four warps by TMA / two warps by cp.async, auto's before: B1 32/8/256 L1024
+// 9.01-9.08 / 11.47-11.57 (cuDNN 10.8), L8192 26.2-26.3 / 30.1-30.2, 16/8 L1024 7.78-7.79 /
+// 9.64-9.68, 8/4 L1024 6.79-6.81 / 8.91-8.93, 28/4 L4096 13.42-13.46 / 14.49-14.62).
 // kTma: the stages hold 128-byte-swizzled slices (tma.cuh) instead of padded rows; kRegK: of V
 // only, and more of them in the same bytes.
 template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
   static constexpr bool kTma = kLoader != kLoadCpAsync;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
-  static constexpr int kWarps = D >= 256 ? 2 : 4;
+  static constexpr int kWarps = D >= 256 && kLoader != kLoadTmaFourWarps ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTile = 16 * kWarps;  // keys per pipeline stage: 16 per warp
   static constexpr int kStride = D + 8;  // smem row pitch in elements: +16 B makes ldmatrix conflict-free
@@ -138,7 +145,7 @@ __device__ __forceinline__ void l2_prefetch_rows(const T* src, int rows, int64_t
 // was waiting for instructions to be fetched (twenty-third round). kPlain compiles them out
 // (1,237 a warp; 7.56 against 6.27 us a call at B = 1, L = 1024: twenty-fourth round).
 template <typename T, int D, int kLoader, bool kPlain>
-__global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
+__global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
                       const __grid_constant__ DecodeCacheMaps maps) {
   using Cfg = DecodeCfg<D, kLoader>;
@@ -879,10 +886,10 @@ __global__ void __launch_bounds__(DecodeCfg<D>::kThreads)
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
-// head size 128, and at 256 with at least as many CTAs as SMs; at 64, K by plain loads and V by
-// TMA with more CTAs than SMs and 2,048 keys of capacity a split or more; cp.async elsewhere),
-// 1 cp.async always, 2 TMA where it can run, 3 K by plain loads into registers and V by TMA
-// where it can run (head sizes 64 and 128), else as auto.
+// head sizes 128 and 256, at 256 four warps a CTA where the grid is one wave at one CTA an SM;
+// at 64, K by plain loads and V by TMA with more CTAs than SMs and 2,048 keys of capacity a
+// split or more; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
+// loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
@@ -898,7 +905,7 @@ template <typename T, int D, int kLoader, bool kPlain>
 bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = decode_head_chunks(p.group_size);
   const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
-  const dim3 block(DecodeCfg<D>::kThreads);
+  const dim3 block(DecodeCfg<D, kLoader>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
   // Auto has the last split merge up to 16 splits: interleaved on an H200 (twenty-first round)
   // it beat the merge kernel by 2-3% at B1 L8192 and L32768 (16 splits) and tied at B1 L1024 and
@@ -960,7 +967,8 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     tma = encode_cache_map(&maps.k, p.key_cache, p, 16, promotion) &&
           encode_cache_map(&maps.v, p.value_cache, p, 16, promotion);
   const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * decode_head_chunks(p.group_size) * p.batch;
-  const bool many_ctas = ctas >= static_cast<int64_t>(device_attribute<cudaDevAttrMultiProcessorCount>());
+  const int64_t sms = device_attribute<cudaDevAttrMultiProcessorCount>();
+  const bool many_ctas = ctas >= sms;
   const bool long_ranges = p.capacity / w.max_splits >= 2048;
   if constexpr (D == 64 || D == 128) {
     // Auto takes K into registers at D = 64 where more CTAs than SMs stream long key ranges
@@ -979,11 +987,15 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // takes TMA everywhere: with the maps promoting 128 bytes it beat cp.async where cp.async had
   // won, on long splits with one CTA an SM (twenty-seventh round, call 3, interleaved, TMA /
   // cp.async: B8 L8192 64.9 / 69.2, B1 L32768 35.0 / 36.7); short splits already favoured it
-  // (twenty-fourth round). At D = 256 auto takes TMA only with at least as many CTAs as SMs:
-  // with fewer, cp.async read faster (thirtieth round, one run, interleaved, cp.async / TMA:
-  // B1 32/8/256 L8192 33.9 / 35.9 us, B1 16/8/256 L8192 32.2 / 34.0, B8 32/8/256 L1024 in 2
-  // splits 32.5 / 34.8, B1 32/8/256 L1024 12.0 / 12.1), and with more TMA did (B8 32/8/256
-  // L8192, 256 CTAs: 143 / 138).
+  // (twenty-fourth round). At D = 256, where the grid is one wave at one CTA an SM, auto and the
+  // TMA pin take four warps a CTA by TMA (DecodeCfg; thirty-ninth round: faster than two warps
+  // by cp.async, the choice before, by 9-22% at B = 1 with up to 8,192 keys, and level at
+  // 32,768). With more CTAs two warps by TMA (B8 32/8/256 L8192, 256 CTAs, two an SM: 138 us
+  // against cp.async's 143, thirtieth round), and the cp.async pin keeps two warps (at fewer
+  // CTAs than SMs it read faster than two warps by TMA then: B1 32/8/256 L8192 33.9 / 35.9).
+  if constexpr (D == 256) {
+    if (tma && pinned != 1 && ctas <= sms) return launch_decode_loader<T, D, kLoadTmaFourWarps>(p, w, fused, stream, maps);
+  }
   const bool auto_tma = D == 128 || (D == 256 && many_ctas);
   if constexpr (D % 64 == 0) {
     if (tma && (pinned == 2 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);

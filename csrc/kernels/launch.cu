@@ -37,6 +37,7 @@ void set_decode_schedule(int schedule) { detail::g_decode_schedule.store(schedul
 void set_decode_features(int features) { detail::g_decode_features.store(features, std::memory_order_relaxed); }
 void set_decode_early_tiles(int early) { detail::g_decode_early_tiles.store(early, std::memory_order_relaxed); }
 void set_decode_l2_prefetch(int prefetch) { detail::g_decode_l2_prefetch.store(prefetch, std::memory_order_relaxed); }
+bool decode_four_warps_256(int sm_major) { return detail::kBuiltSm90a && sm_major == 9; }
 void set_decode_l2_fetch(int fetch) { detail::g_decode_l2_fetch.store(fetch, std::memory_order_relaxed); }
 #ifdef GQA_DECODE_TIMELINE
 bool decode_timeline_built() { return true; }

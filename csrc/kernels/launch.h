@@ -14,12 +14,18 @@ namespace cuda {
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
-// sm90a build: TMA onto per-warp mbarriers at head size 128, and at 256 where the grid has at
-// least as many CTAs as SMs; at 64 "regs_k" where more CTAs than SMs stream long key ranges;
-// cp.async otherwise), 1 cp.async always, 2 TMA where it can run (head sizes 64, 128 and 256),
-// 3 ("regs_k") K by plain loads into the mma fragments and V by TMA where that can run (head
+// sm90a build: TMA onto per-warp mbarriers at head sizes 128 and 256, at 256 with four warps a
+// CTA where the grid is one wave at one CTA an SM; at 64 "regs_k" where more CTAs than SMs
+// stream long key ranges; cp.async otherwise), 1 cp.async always (two warps a CTA at 256), 2
+// TMA where it can run (head sizes 64, 128 and 256, as auto picks the warps at 256), 3
+// ("regs_k") K by plain loads into the mma fragments and V by TMA where that can run (head
 // sizes 64 and 128).
 void set_decode_loader(int loader);
+
+// Whether the decode kernel has its four-warp layout at head size 256 (DecodeCfg) on a device of
+// compute capability major `sm_major`: an sm90 device and a build with sm90a code. The plan
+// keeps those CTAs to one an SM (DeviceInfo::decode_four_warps_256).
+bool decode_four_warps_256(int sm_major);
 
 // Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (up to
 // 16 splits, inside the launch by the last split CTA to finish, where the stream has arrival

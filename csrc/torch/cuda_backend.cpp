@@ -204,7 +204,8 @@ constexpr int kMaxDevices = 64;
 // that a process capturing graph after graph does not run out of lanes. A call when every lane
 // is held, or with more (row, kv head, head chunk) slots than a lane holds, merges its splits
 // with the merge kernel instead (slower: at B = 8 with 1,024 keys 17.5 µs against 12.3 on an
-// H200), and the first such call warns.
+// H200). The first call that finds every lane held warns, and so does the first after a lane
+// came back and every lane is held again.
 constexpr int kArrivalLanes = 256;
 constexpr int kArrivalSlots = 2048;
 constexpr size_t kWordBytes = 256;
@@ -219,6 +220,9 @@ std::vector<LaneOwner> g_lane_owners[kMaxDevices];
 // Set by release_capture_lane, which runs on a CUDA thread and must not block, so it takes no
 // lock; arrival_lane frees the lanes it marks (under g_word_mutex).
 std::atomic<bool> g_lane_released[kMaxDevices][kArrivalLanes];
+// Whether the "every lane is held" warning was given since a lane last came back (under
+// g_word_mutex).
+bool g_all_lanes_held_warned[kMaxDevices] = {};
 
 void check_cuda(cudaError_t status, const char* what) {
   TORCH_CHECK(status == cudaSuccess, "gqa: ", what, " failed: ", cudaGetErrorString(status));
@@ -279,7 +283,10 @@ void tie_lane_to_graph(int device, int lane, cudaGraph_t graph) {
 void reclaim_released_lanes(int device) {
   std::vector<LaneOwner>& owners = g_lane_owners[device];
   for (size_t lane = 0; lane < owners.size(); ++lane) {
-    if (g_lane_released[device][lane].exchange(false, std::memory_order_acquire)) owners[lane].free = true;
+    if (g_lane_released[device][lane].exchange(false, std::memory_order_acquire)) {
+      owners[lane].free = true;
+      g_all_lanes_held_warned[device] = false;
+    }
   }
 }
 
@@ -313,10 +320,12 @@ uint32_t* arrival_lane(int device, cudaStream_t stream) {
     while (lane < owners.size() && !owners[lane].free) ++lane;
     if (lane == owners.size()) {
       if (lane == kArrivalLanes) {
-        TORCH_WARN_ONCE("gqa: all ", kArrivalLanes, " lanes of decode arrival counters on cuda:", device,
-                        " are held (one a stream that ran a decode call, one a live CUDA graph that captured "
-                        "one), so decode calls without one merge their key-range splits in a separate, slower "
-                        "kernel. Destroying CUDA graphs that are no longer replayed gives their lanes back.");
+        if (g_all_lanes_held_warned[device]) return nullptr;
+        g_all_lanes_held_warned[device] = true;
+        TORCH_WARN("gqa: all ", kArrivalLanes, " lanes of decode arrival counters on cuda:", device,
+                   " are held (one a stream that ran a decode call, one a live CUDA graph that captured one), so "
+                   "decode calls without one merge their key-range splits in a separate, slower kernel. Destroying "
+                   "CUDA graphs that are no longer replayed gives their lanes back.");
         return nullptr;
       }
       owners.push_back(LaneOwner{});
@@ -332,6 +341,7 @@ DeviceInfo device_info(int device) {
   DeviceInfo info;
   info.sm_count = prop->multiProcessorCount;
   info.sm_major = prop->major;
+  info.decode_four_warps_256 = gqa::cuda::decode_four_warps_256(prop->major);
   return info;
 }
 

@@ -69,7 +69,7 @@ PYBIND11_MODULE(_C, m) {
         "\"sectors\" (only those read), \"128B\" or \"256B\". Its cp.async copies and its K loads into registers "
         "always ask for 128 bytes.");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count,
-                           int32_t head_dim) {
+                           int32_t head_dim, bool four_warps_256) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0 ||
         head_dim <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
@@ -83,6 +83,7 @@ PYBIND11_MODULE(_C, m) {
     p.capacity = capacity;
     gqa::DeviceInfo device;
     device.sm_count = sm_count;
+    device.decode_four_warps_256 = four_warps_256;
     const gqa::Plan plan = gqa::make_plan(p, device);
     pybind11::dict out;
     out["max_splits"] = plan.max_splits;
@@ -94,8 +95,9 @@ PYBIND11_MODULE(_C, m) {
     out["ragged_two_waves"] = plan.ragged_two_waves;
     return out;
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
-        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, "Tests: the decode plan's split counts, row order, CTAs an SM and waves for these shapes (core/plan.cpp), on the "
-        "host.");
+        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, pybind11::arg("four_warps_256") = true,
+        "Tests: the decode plan's split counts, row order, CTAs an SM and waves for these shapes (core/plan.cpp), on the "
+        "host (four_warps_256: DeviceInfo::decode_four_warps_256, true on an H200 with an sm90a build).");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
