@@ -274,7 +274,8 @@ def main():
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],
                  {"gqa_torch": [r["ours_us"] for r in rows], "SDPA flash": [r["sdpa_flash_us"] for r in rows],
-                  "SDPA cuDNN": [r["sdpa_cudnn_us"] for r in rows]}, "µs (lower is better)", "Decode, bf16, H200")
+                  "SDPA cuDNN": [r["sdpa_cudnn_us"] for r in rows]}, "µs, log scale (lower is better)",
+                 "Decode, bf16, H200", log_scale=True)
     if args.only is None or "ragged" in args.only:
         rows = ragged_table()
         cols = ["B", "capacity", "mean_len", "valid_MB", "ours_us", *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS],

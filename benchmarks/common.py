@@ -197,8 +197,10 @@ def write_tables(name: str, meta: Dict, rows: List[Dict], columns: Sequence[str]
     return text
 
 
-def bar_plot(name: str, labels: List[str], series: Dict[str, List[float]], ylabel: str, title: str) -> None:
-    """results/<name>.png: grouped bars, one group per row. Skipped quietly without matplotlib."""
+def bar_plot(name: str, labels: List[str], series: Dict[str, List[float]], ylabel: str, title: str,
+             log_scale: bool = False) -> None:
+    """results/<name>.png: grouped bars, one group per row (`log_scale`: a logarithmic value axis,
+    so that rows three orders of magnitude apart all show). Skipped quietly without matplotlib."""
     try:
         import matplotlib
 
@@ -214,6 +216,8 @@ def bar_plot(name: str, labels: List[str], series: Dict[str, List[float]], ylabe
         ax.bar(xs, [v if v == v else 0 for v in values], width, label=key)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
     ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+    if log_scale:
+        ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
