@@ -678,32 +678,44 @@ def _decode_loader_codes(names, head_dim):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("batch,hq,hkv,loader", [(1, 32, 8, "auto"), (1, 32, 8, "tma"), (1, 32, 8, "cp_async"),
-                                                 (8, 32, 8, "auto"), (34, 8, 4, "auto"), (34, 8, 4, "tma")])
-def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, loader):
+@pytest.mark.parametrize("batch,hq,hkv,rows,loader", [
+    (1, 32, 8, "equal", "auto"), (1, 32, 8, "equal", "tma"), (1, 32, 8, "equal", "cp_async"),
+    (8, 32, 8, "ragged", "auto"), (33, 8, 4, "equal", "auto"), (33, 8, 4, "ragged", "auto"),
+    (34, 8, 4, "ragged", "auto"), (34, 8, 4, "ragged", "tma"), (34, 8, 4, "ragged", "tma_four_warps")])
+def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
     """At head size 256 the decode kernel runs four warps a CTA, loading by TMA (loader code 3),
     where its grid is one wave at one CTA an SM (on an H200: B = 1 with 8 kv heads in 16 splits,
-    B = 8 in 2), and two warps by TMA (code 1) where more CTAs stream (B = 34 with 4 kv heads:
-    136 CTAs of one split) or by cp.async under its pin (code 0). Each matches the reference and
-    the CPU backend, in place, without features (the plan's kernel without them) and with RoPE,
-    softcap, a sink and ragged rows."""
+    B = 8 in 2), or where a batch of equal rows would take such a wave in a larger grid (B = 33
+    with 4 kv heads and 4,160 keys of capacity: 2 splits, 264 CTAs, of which equal rows use 132;
+    equal and ragged rows alike, as the plan fixes the kernel). It runs two warps by TMA (code 1)
+    where more CTAs stream (B = 34: 136 CTAs of one split) or by cp.async under its pin (code
+    0); the "tma_four_warps" pin takes four warps whatever the grid (two waves at B = 34). Each
+    matches the reference and the CPU backend, in place, without features (the plan's kernel
+    without them) and with RoPE, softcap, a sink and ragged rows."""
     if loader != "cp_async" and (torch.cuda.get_device_capability()[0] != 9
                                  or "9.0a" not in gqa_torch.build_info()["cuda_archs"]):
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
-    capacity = {1: 2048, 8: 1100, 34: 300}[batch]
-    pasts = {1: [1999], 8: [1099, 17, 600, 1098, 256, 900, 1, 1050], 34: [(37 * i) % 299 for i in range(34)]}[batch]
+    capacity = {1: 2048, 8: 1100, 33: 4160, 34: 300}[batch]
+    pasts = ([capacity - 1] * batch if rows == "equal" else
+             [(capacity - 1 - 997 * i) % capacity for i in range(batch)])
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    ctas = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=256)["max_splits"] * batch * hkv
-    code = 0 if loader == "cp_async" else (3 if ctas <= sms else 1)
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=256)
+    slots = batch * hkv
+    four_warps = (plan["max_splits"] * slots <= sms or 0 < plan["equal_rows_splits"] * slots <= sms
+                  or loader == "tma_four_warps")
+    code = 0 if loader == "cp_async" else (3 if four_warps else 1)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
-        for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True)):
-            case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=256,
-                             capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype], **feat)
+        cases = [make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=256,
+                           capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype], **feat)
+                 for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]
+        for case in cases:
             _run_cuda_and_cpu(case)
+        # (After every correctness check, which compute-sanitizer runs too.)
+        for case in cases:
             names = _cuda_kernel_names(lambda: case.to("cuda").run())
             if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
                 pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
-            assert _decode_loader_codes(names, 256) == [code], (ctas, sms, names)
+            assert _decode_loader_codes(names, 256) == [code], (plan, sms, names)
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("softcap", [1e4, 1e6, 3e38])

@@ -889,7 +889,8 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // head sizes 128 and 256, at 256 four warps a CTA where the grid is one wave at one CTA an SM;
 // at 64, K by plain loads and V by TMA with more CTAs than SMs and 2,048 keys of capacity a
 // split or more; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
-// loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto.
+// loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 as
+// 2 with four warps a CTA at 256 whatever the grid.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
@@ -993,12 +994,22 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // 32,768). With more CTAs two warps by TMA (B8 32/8/256 L8192, 256 CTAs, two an SM: 138 us
   // against cp.async's 143, thirtieth round), and the cp.async pin keeps two warps (at fewer
   // CTAs than SMs it read faster than two warps by TMA then: B1 32/8/256 L8192 33.9 / 35.9).
+  // So, too, where a batch of equal rows would take one such wave (Plan::equal_rows_splits) in a
+  // grid of more CTAs: then a ragged batch runs that grid in waves, longest first (thirty-ninth
+  // round, interleaved, four warps / two warps two CTAs an SM, us: B16 32/8/256 L8192 equal rows
+  // 241 / 282, lengths from 256 118 / 171-181, from 4,096 197 / 224; B33 16/4/256 L8192 245 /
+  // 287, from 1,024 138 / 175; B16 16/8/256 L16384 474 / 562, from 2,048 261 / 267). Grids of
+  // more CTAs than that keep two warps, two an SM (four warps in waves: B17 32/8/256 L2048 102 /
+  // 81, B64 32/8/256 L1024 137 / 134, B32 16/8/256 L4096 245 / 243).
   if constexpr (D == 256) {
-    if (tma && pinned != 1 && ctas <= sms) return launch_decode_loader<T, D, kLoadTmaFourWarps>(p, w, fused, stream, maps);
+    const int64_t slots = ctas / (w.max_splits > 0 ? w.max_splits : 1);  // (row, kv head, head chunk)
+    const bool equal_rows_one_wave = w.equal_rows_splits > 0 && w.equal_rows_splits * slots <= sms;
+    if (tma && pinned != 1 && (ctas <= sms || equal_rows_one_wave || pinned == 4))
+      return launch_decode_loader<T, D, kLoadTmaFourWarps>(p, w, fused, stream, maps);
   }
   const bool auto_tma = D == 128 || (D == 256 && many_ctas);
   if constexpr (D % 64 == 0) {
-    if (tma && (pinned == 2 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
+    if (tma && (pinned == 2 || pinned == 4 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
   return launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
 }

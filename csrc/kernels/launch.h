@@ -19,7 +19,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // stream long key ranges; cp.async otherwise), 1 cp.async always (two warps a CTA at 256), 2
 // TMA where it can run (head sizes 64, 128 and 256, as auto picks the warps at 256), 3
 // ("regs_k") K by plain loads into the mma fragments and V by TMA where that can run (head
-// sizes 64 and 128).
+// sizes 64 and 128), 4 ("tma_four_warps") as 2, with four warps a CTA at 256 whatever the grid.
 void set_decode_loader(int loader);
 
 // Whether the decode kernel has its four-warp layout at head size 256 (DecodeCfg) on a device of

@@ -37,8 +37,8 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: who appends an in-place prefill's new rows (no RoPE) to the caches, \"auto\" "
         "(the attention kernel, for rows with no past, where it can: the default) or \"prep\" (always prep).");
   m.def("_set_decode_loader", &gqa::set_decode_loader, pybind11::arg("loader"),
-        "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\", \"tma\" or "
-        "\"regs_k\".");
+        "Tests and benchmarks: the decode kernel's loader, \"auto\" (the default), \"cp_async\", \"tma\", "
+        "\"regs_k\" or \"tma_four_warps\" (at head size 256 four warps a CTA whatever the grid; elsewhere as \"tma\").");
   m.def("_set_decode_merge", &gqa::set_decode_merge, pybind11::arg("merge"),
         "Tests and benchmarks: how the decode kernel's key-range splits are merged, \"auto\" (the default: "
         "up to 16 splits by the last split to finish, else by the merge kernel), "
