@@ -664,7 +664,6 @@ def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader):
         _run_cuda_and_cpu(case)
 
 
-
 def _decode_loader_codes(names, head_dim):
     """The loader template argument (DecodeLoader in decode_mma.cuh) of each decode kernel at
     `head_dim` among the profiler's kernel names, demangled or not."""
@@ -716,6 +715,7 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
             if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
                 pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
             assert _decode_loader_codes(names, 256) == [code], (plan, sms, names)
+
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("softcap", [1e4, 1e6, 3e38])
@@ -1243,7 +1243,6 @@ def test_cuda_graph_lanes_come_back_with_their_graphs():
         assert _settled_lanes_held() == start
 
 
-
 def _lane_warnings(capture, capfd):
     """The "every lane is held" warnings given while `capture()` runs. A TORCH_WARN in a custom
     op reaches C++'s warning handler, which writes it to stderr (seen with torch 2.11), not
@@ -1309,6 +1308,7 @@ def test_cuda_decode_with_every_lane_held_warns_and_merges_in_the_kernel(capfd):
         graph, out = capture(None)
         assert _settled_lanes_held() == start + 1
         _replay_with_fresh_inputs_and_check(graph, static, out, [377, 512])
+
 
 def _inplace_step(static):
     """The in-place op on a case's tensors, for capture: each replay reads and writes them."""
