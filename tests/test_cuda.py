@@ -636,10 +636,11 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
 @pytest.fixture(params=["cp_async", "tma", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
-    9.0a build TMA at head size 128, and at 256 with as many CTAs as SMs or more, at 64 "regs_k"
-    where many CTAs stream long splits, else cp.async), so that every loader stays tested there.
-    "regs_k" (K into registers, V by TMA) exists at head sizes 64 and 128; elsewhere it runs as
-    auto."""
+    9.0a build TMA at head sizes 128 and 256, at 256 with four warps a CTA where the grid, or its
+    equal rows' part, is one wave at one CTA an SM, at 64 "regs_k" where many CTAs stream long
+    splits, else cp.async), so that every loader stays tested there. "regs_k" (K into registers,
+    V by TMA) exists at head sizes 64 and 128; elsewhere it runs as auto. The four-warp layout's
+    own pin, "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
     if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
     if request.param != "cp_async" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
