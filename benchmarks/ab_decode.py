@@ -16,6 +16,8 @@ Prints one line a row:
 
     python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 32x32x8x128x8192r256 \
         --pins merge=kernel splits=4
+
+`--flash` adds SDPA flash as a column of its own (a shape cuDNN or flash cannot run reads nan).
 """
 from __future__ import annotations
 
@@ -78,15 +80,19 @@ def parse_decode_shape(text: str) -> tuple:
     return dims + (None if match.group(6) is None else int(match.group(6)),)
 
 
-def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list, low: "int | None" = None) -> dict:
+def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list, low: "int | None" = None,
+             flash: bool = False) -> dict:
     """µs a call on one shape: ours, SDPA cuDNN (over the whole cache, a reference for the clocks
-    even where the batch is ragged) and ours with each pin ("name=value")."""
+    even where the batch is ragged), SDPA flash if `flash`, and ours with each pin ("name=value").
+    A backend that cannot run the shape reads nan."""
     seqlens = None if low is None else (ragged_lengths(b, length, low) - 1).to(torch.int32).cuda()
     ours, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE, seqlens)
     ks = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
     vs = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
     qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
     steps = {"ours": ours, "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
+    if flash:
+        steps["flash"] = sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)
     for pin in pins:
         def step(i, pin=pin):
             with pinned_switches(pin):
@@ -106,6 +112,7 @@ def main() -> None:
     parser.add_argument("--pins", nargs="*", default=[],
                         help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2, "
                              "features), or several joined by '+'")
+    parser.add_argument("--flash", action="store_true", help="also time SDPA flash (a column of its own)")
     parser.add_argument("--tag", default="", help="a name for this build, printed on every line")
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
@@ -116,12 +123,13 @@ def main() -> None:
     torch.manual_seed(0)
     warm_up_gpu()
     for index, (b, hq, hkv, d, length, low) in shapes:
-        times = time_row(b, hq, hkv, d, length, args.pins, low)
+        times = time_row(b, hq, hkv, d, length, args.pins, low, args.flash)
         ours, cudnn = times.pop("ours"), times.pop("cudnn")
+        flash = f" flash {times.pop('flash'):.2f}" if args.flash else ""
         pins = "".join(f" | {name} {t:.2f}" for name, t in times.items())
         ragged = "" if low is None else f" ragged from {low}"
         print(f"{args.tag} row {index} B{b} {hq}/{hkv}/{d} L{length}{ragged}: ours {ours:.2f} cudnn {cudnn:.2f} "
-              f"cudnn/ours {cudnn / ours:.3f}{pins}", flush=True)
+              f"cudnn/ours {cudnn / ours:.3f}{flash}{pins}", flush=True)
         torch.cuda.empty_cache()
 
 
