@@ -637,9 +637,10 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build TMA at head sizes 128 and 256, at 256 with four warps a CTA where the grid, or its
-    equal rows' part, is one wave at one CTA an SM, at 64 "regs_k" where many CTAs stream long
-    splits, else cp.async), so that every loader stays tested there. "regs_k" (K into registers,
-    V by TMA) exists at head sizes 64 and 128; elsewhere it runs as auto. The four-warp layout's
+    equal rows' part, is one wave at one CTA an SM, at 64 where many CTAs stream long splits and
+    equal rows would not run one CTA an SM, else cp.async), so that every loader stays tested
+    there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and 128; elsewhere it
+    runs as auto. The four-warp layout's
     own pin, "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
     if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
@@ -716,6 +717,43 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
             if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
                 pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
             assert _decode_loader_codes(names, 256) == [code], (plan, sms, names)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("batch,hq,hkv,capacity,rows,loader", [
+    (16, 32, 8, 4096, "equal", "auto"), (16, 32, 8, 4096, "ragged", "auto"), (64, 32, 8, 2048, "equal", "auto"),
+    (4, 32, 8, 1024, "equal", "auto"), (1, 14, 2, 1024, "equal", "auto"), (16, 32, 8, 4096, "equal", "regs_k")])
+def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader):
+    """At head size 64 auto loads K and V by TMA (loader code 1) where at least as many CTAs as
+    SMs stream splits of 2,048 keys of capacity or more (on an H200: B64 32/8 with 2,048 keys in
+    one split), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys:
+    2 splits, of which equal rows take 1; equal and ragged rows alike, as the plan fixes the
+    kernel), and by cp.async (code 0) there and where fewer CTAs stream (B4 32/8 L1024, B1 14/2
+    L1024); K into registers (code 2), auto's choice for the first two until the fortieth round,
+    only under its pin. Each matches the reference and the CPU backend, in place, without
+    features and with RoPE, softcap, a sink and ragged rows."""
+    if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+        pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
+    pasts = ([capacity - 1] * batch if rows == "equal" else
+             [(capacity - 1 - 997 * i) % capacity for i in range(batch)])
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=64)
+    slots = batch * hkv
+    many_long = plan["max_splits"] * slots >= sms and capacity // plan["max_splits"] >= 2048
+    equal_rows_one_wave = 0 < plan["equal_rows_splits"] * slots <= sms
+    code = 2 if loader == "regs_k" else (1 if many_long and not equal_rows_one_wave else 0)
+    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+        cases = [make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=64,
+                           capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype], **feat)
+                 for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]
+        for case in cases:
+            _run_cuda_and_cpu(case)
+        # (After every correctness check, which compute-sanitizer runs too.)
+        for case in cases:
+            names = _cuda_kernel_names(lambda: case.to("cuda").run())
+            if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
+                pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+            assert _decode_loader_codes(names, 64) == [code], (plan, sms, names)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

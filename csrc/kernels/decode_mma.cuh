@@ -887,8 +887,8 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
 // head sizes 128 and 256, at 256 four warps a CTA where the grid is one wave at one CTA an SM;
-// at 64, K by plain loads and V by TMA with more CTAs than SMs and 2,048 keys of capacity a
-// split or more; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
+// at 64, TMA with at least as many CTAs as SMs and 2,048 keys of capacity a split or more,
+// unless equal rows would run one CTA an SM; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
 // loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 as
 // 2 with four warps a CTA at 256 whatever the grid.
 extern std::atomic<int> g_decode_loader;
@@ -967,19 +967,23 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   if (tma)
     tma = encode_cache_map(&maps.k, p.key_cache, p, 16, promotion) &&
           encode_cache_map(&maps.v, p.value_cache, p, 16, promotion);
-  const int64_t ctas = static_cast<int64_t>(w.max_splits) * p.kv_heads * decode_head_chunks(p.group_size) * p.batch;
+  const int64_t slots = static_cast<int64_t>(p.batch) * p.kv_heads * decode_head_chunks(p.group_size);
+  const int64_t ctas = slots * w.max_splits;  // slots: (row, kv head, head chunk)
   const int64_t sms = device_attribute<cudaDevAttrMultiProcessorCount>();
   const bool many_ctas = ctas >= sms;
   const bool long_ranges = p.capacity / w.max_splits >= 2048;
+  // A batch of equal rows would take one wave of at most one CTA an SM (Plan::equal_rows_splits)
+  // in a grid of more CTAs.
+  const bool equal_rows_one_wave = w.equal_rows_splits > 0 && w.equal_rows_splits * slots <= sms;
   if constexpr (D == 64 || D == 128) {
-    // Auto takes K into registers at D = 64 where more CTAs than SMs stream long key ranges
-    // (their K loads in flight add up; with one CTA an SM the TMA loader keeps more bytes in
-    // flight, and short ranges favour it too). It did at D = 128 too while the TMA maps promoted
-    // 256 bytes (eleventh H200 round: B16 64/8 L8192, 256 CTAs of 4,096 keys, 133 us with K in
-    // registers against 137); with 128 (twenty-seventh round, call 3, interleaved, TMA / K in
-    // registers) TMA ties or wins on every such row: B64 L8192 470 / 476, B64 L32768 1860 / 1860,
-    // B8 L32768 241 / 244, B16 124 / 126.
-    if (tma && (pinned == 3 || (pinned == 0 && D == 64 && many_ctas && long_ranges)))
+    // K into registers (V by TMA) only under its pin. Auto took it at D = 128 while the TMA maps
+    // promoted 256 bytes (eleventh H200 round: B16 64/8 L8192, 256 CTAs of 4,096 keys, 133 us
+    // with K in registers against 137); with 128 (twenty-seventh round, call 3, interleaved, TMA
+    // / K in registers) TMA ties or wins on every such row: B64 L8192 470 / 476, B64 L32768 1860
+    // / 1860, B8 L32768 241 / 244, B16 124 / 126. At D = 64 auto took it until the fortieth round
+    // where many CTAs stream long ranges, unmeasured against TMA there; it lost to both other
+    // loaders, by up to a quarter (below).
+    if (tma && pinned == 3)
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
   // With one CTA an SM, auto takes cp.async at D = 64. Eleventh H200 round, three runs: TMA read
@@ -1002,12 +1006,19 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // more CTAs than that keep two warps, two an SM (four warps in waves: B17 32/8/256 L2048 102 /
   // 81, B64 32/8/256 L1024 137 / 134, B32 16/8/256 L4096 245 / 243).
   if constexpr (D == 256) {
-    const int64_t slots = ctas / (w.max_splits > 0 ? w.max_splits : 1);  // (row, kv head, head chunk)
-    const bool equal_rows_one_wave = w.equal_rows_splits > 0 && w.equal_rows_splits * slots <= sms;
     if (tma && pinned != 1 && (ctas <= sms || equal_rows_one_wave || pinned == 4))
       return launch_decode_loader<T, D, kLoadTmaFourWarps>(p, w, fused, stream, maps);
   }
-  const bool auto_tma = D == 128 || (D == 256 && many_ctas);
+  // At D = 64 auto takes TMA where at least as many CTAs as SMs stream splits of 2,048 keys of
+  // capacity or more, unless a batch of equal rows would run one CTA an SM: there cp.async, as at
+  // B = 1. Fortieth round, one H200, interleaved, us, K in registers (auto before) / TMA /
+  // cp.async (SDPA cuDNN): B64 32/8/64 L2048 84.3 / 68.0 / 70.2 (63.4); B32 L8192 159.9 / 123.1 /
+  // 136.1 (119.9); B16 L4096, equal rows in one split a row, 49.7 / 41.3 / 36.9 (37.5), lengths
+  // from 256 34.0 / 31.0 / 32.7 (a ragged batch pays 5% for the equal rows' 11%). Shorter
+  // ranges keep cp.async (measured once: B64 L1024 38.5 against TMA's 37.8; 14/2/64 L32768, 132
+  // CTAs of 496 keys, 9.7 against 10.1).
+  const bool auto_tma = D == 128 || (D == 256 && many_ctas) ||
+                        (D == 64 && many_ctas && long_ranges && !equal_rows_one_wave);
   if constexpr (D % 64 == 0) {
     if (tma && (pinned == 2 || pinned == 4 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
