@@ -640,8 +640,8 @@ def decode_loader(request):
     equal rows' part, is one wave at one CTA an SM, at 64 where many CTAs stream long splits and
     equal rows would not run one CTA an SM, else cp.async), so that every loader stays tested
     there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and 128; elsewhere it
-    runs as auto. The four-warp layout's
-    own pin, "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
+    runs as auto. The four-warp layout's own pin, "tma_four_warps", is
+    test_cuda_decode_head_size_256_warps's."""
     if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
     if request.param != "cp_async" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
@@ -678,6 +678,23 @@ def _decode_loader_codes(names, head_dim):
     return codes
 
 
+def _check_decode_and_its_loader(head_dim, code, context, **shape):
+    """The in-place decode call on `shape` (make_case's keywords) without features and with RoPE,
+    softcap, a sink and larger logits, each against the reference and the CPU backend; then the
+    loader code (DecodeLoader) of the decode kernel each call launches, which must be `code`
+    (`context` goes into the assertion's message)."""
+    cases = [make_case("inplace", seq=1, head_dim=head_dim, **shape, **feat)
+             for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]
+    for case in cases:
+        _run_cuda_and_cpu(case)
+    # (After every correctness check, which compute-sanitizer runs too.)
+    for case in cases:
+        names = _cuda_kernel_names(lambda: case.to("cuda").run())
+        if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
+            pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+        assert _decode_loader_codes(names, head_dim) == [code], (context, names)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("batch,hq,hkv,rows,loader", [
     (1, 32, 8, "equal", "auto"), (1, 32, 8, "equal", "tma"), (1, 32, 8, "equal", "cp_async"),
@@ -706,17 +723,8 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
                   or loader == "tma_four_warps")
     code = 0 if loader == "cp_async" else (3 if four_warps else 1)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
-        cases = [make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=256,
-                           capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype], **feat)
-                 for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]
-        for case in cases:
-            _run_cuda_and_cpu(case)
-        # (After every correctness check, which compute-sanitizer runs too.)
-        for case in cases:
-            names = _cuda_kernel_names(lambda: case.to("cuda").run())
-            if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
-                pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
-            assert _decode_loader_codes(names, 256) == [code], (plan, sms, names)
+        _check_decode_and_its_loader(256, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
+                                     capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -729,7 +737,7 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     one split), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys:
     2 splits, of which equal rows take 1; equal and ragged rows alike, as the plan fixes the
     kernel), and by cp.async (code 0) there and where fewer CTAs stream (B4 32/8 L1024, B1 14/2
-    L1024); K into registers (code 2), auto's choice for the first two until the fortieth round,
+    L1024); K into registers (code 2), auto's choice at B64 and B16 until the fortieth round,
     only under its pin. Each matches the reference and the CPU backend, in place, without
     features and with RoPE, softcap, a sink and ragged rows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
@@ -743,17 +751,8 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     equal_rows_one_wave = 0 < plan["equal_rows_splits"] * slots <= sms
     code = 2 if loader == "regs_k" else (1 if many_long and not equal_rows_one_wave else 0)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
-        cases = [make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=64,
-                           capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype], **feat)
-                 for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]
-        for case in cases:
-            _run_cuda_and_cpu(case)
-        # (After every correctness check, which compute-sanitizer runs too.)
-        for case in cases:
-            names = _cuda_kernel_names(lambda: case.to("cuda").run())
-            if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
-                pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
-            assert _decode_loader_codes(names, 64) == [code], (plan, sms, names)
+        _check_decode_and_its_loader(64, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
+                                     capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

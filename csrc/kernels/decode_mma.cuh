@@ -888,9 +888,9 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
 // head sizes 128 and 256, at 256 four warps a CTA where the grid is one wave at one CTA an SM;
 // at 64, TMA with at least as many CTAs as SMs and 2,048 keys of capacity a split or more,
-// unless equal rows would run one CTA an SM; cp.async elsewhere), 1 cp.async always, 2 TMA where it can run, 3 K by plain
-// loads into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 as
-// 2 with four warps a CTA at 256 whatever the grid.
+// unless equal rows would run one CTA an SM; cp.async elsewhere), 1 cp.async always, 2 TMA
+// where it can run, 3 K by plain loads into registers and V by TMA where it can run (head sizes
+// 64 and 128), else as auto, 4 as 2 with four warps a CTA at 256 whatever the grid.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
@@ -980,9 +980,9 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     // promoted 256 bytes (eleventh H200 round: B16 64/8 L8192, 256 CTAs of 4,096 keys, 133 us
     // with K in registers against 137); with 128 (twenty-seventh round, call 3, interleaved, TMA
     // / K in registers) TMA ties or wins on every such row: B64 L8192 470 / 476, B64 L32768 1860
-    // / 1860, B8 L32768 241 / 244, B16 124 / 126. At D = 64 auto took it until the fortieth round
-    // where many CTAs stream long ranges, unmeasured against TMA there; it lost to both other
-    // loaders, by up to a quarter (below).
+    // / 1860, B8 L32768 241 / 244, B16 124 / 126. Auto also took it at D = 64 where many CTAs
+    // stream long ranges, until the fortieth round measured it there against the other two
+    // loaders: it took up to a quarter longer than either (below).
     if (tma && pinned == 3)
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
