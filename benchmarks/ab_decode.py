@@ -17,7 +17,10 @@ Prints one line a row:
     python3 benchmarks/ab_decode.py --rows 1 9 10 --shapes 8x32x8x256x1024 32x32x8x128x8192r256 \
         --pins merge=kernel splits=4
 
-`--flash` adds SDPA flash as a column of its own (a shape cuDNN or flash cannot run reads nan).
+`--flash` adds SDPA flash as a column of its own (a shape cuDNN or flash cannot run reads nan);
+`--models` adds the decode shapes of common models (MODEL_SHAPES):
+
+    python3 benchmarks/ab_decode.py --flash --rows --models
 """
 from __future__ import annotations
 
@@ -34,6 +37,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gqa_torch  # noqa: E402
 from bench_decode import DECODE_GRID, DTYPE, sdpa_step  # noqa: E402
 from common import inplace_decode_step, ragged_lengths, time_graphs_interleaved, warm_up_gpu  # noqa: E402
+
+
+# Decode shapes of common models outside bench_decode's grid (`--models`; the fortieth round's
+# sweep), B x Hq x Hkv x D x L at B = 1 and in batches. The heads follow Llama 3.2 1B (32/8/64),
+# GPT-2 (12/12/64), Phi-2 (32/32/80), Phi-3 mini (32/32/96), Qwen2 7B (28/4/128), Llama 2 7B
+# (32/32/128), Gemma 2 9B (16/8/256) and Gemma 2B (8/4/256).
+MODEL_SHAPES = [
+    "1x32x8x64x8192", "16x32x8x64x4096", "64x32x8x64x2048", "8x12x12x64x1024",
+    "1x32x32x80x2048", "8x32x32x80x2048", "32x32x32x80x2048",
+    "1x32x32x96x4096", "8x32x32x96x4096", "32x32x32x96x4096", "1x24x8x96x8192",
+    "1x28x4x128x8192", "32x28x4x128x4096", "1x32x32x128x4096", "8x32x32x128x4096",
+    "1x16x8x256x8192", "8x16x8x256x4096", "32x16x8x256x4096", "1x8x4x256x8192", "16x8x4x256x4096",
+    "64x8x4x256x2048", "17x32x8x256x2048", "64x32x8x256x1024",
+]
 
 
 def split_override(value: str) -> None:
@@ -112,14 +129,17 @@ def main() -> None:
     parser.add_argument("--pins", nargs="*", default=[],
                         help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2, "
                              "features), or several joined by '+'")
+    parser.add_argument("--models", action="store_true",
+                        help="add MODEL_SHAPES (common models' decode shapes) after --shapes")
     parser.add_argument("--flash", action="store_true", help="also time SDPA flash (a column of its own)")
     parser.add_argument("--tag", default="", help="a name for this build, printed on every line")
     args = parser.parse_args()
-    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     for pin in args.pins:
         pin_parts(pin)  # (refuses a bad one before any timing)
     shapes = [(i, DECODE_GRID[i] + (None,)) for i in args.rows]
-    shapes += [(100 + i, parse_decode_shape(text)) for i, text in enumerate(args.shapes)]
+    texts = args.shapes + (MODEL_SHAPES if args.models else [])
+    shapes += [(100 + i, parse_decode_shape(text)) for i, text in enumerate(texts)]
+    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
     warm_up_gpu()
     for index, (b, hq, hkv, d, length, low) in shapes:
