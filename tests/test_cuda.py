@@ -633,18 +633,20 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
             _run_cuda_and_cpu(case)
 
 
-@pytest.fixture(params=["cp_async", "tma", "regs_k"])
+@pytest.fixture(params=["cp_async", "cp_async_shallow", "tma", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build TMA at head sizes 128 and 256, at 256 with four warps a CTA where the grid, or its
     equal rows' part, is one wave at one CTA an SM, at 64 where many CTAs stream long splits and
-    equal rows would not run one CTA an SM, else cp.async), so that every loader stays tested
-    there. "regs_k" (K into registers, V by TMA) exists at head sizes 64 and 128; elsewhere it
-    runs as auto. The four-warp layout's own pin, "tma_four_warps", is
-    test_cuda_decode_head_size_256_warps's."""
-    if request.param != "cp_async" and torch.cuda.get_device_capability()[0] != 9:
+    equal rows would not run one CTA an SM, else cp.async, with three stages at 64 where the grid
+    is one wave at one CTA an SM), so that every loader stays tested there. "cp_async_shallow"
+    (three stages) exists at head size 64 and "regs_k" (K into registers, V by TMA) at 64 and
+    128; elsewhere they run as "cp_async" and auto. The four-warp layout's own pin,
+    "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
+    tma = request.param not in ("cp_async", "cp_async_shallow")
+    if tma and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
-    if request.param != "cp_async" and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+    if tma and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the TMA decode loaders need a build for 9.0a (TORCH_CUDA_ARCH_LIST)")
     gqa_torch._C._set_decode_loader(request.param)
     yield request.param
@@ -730,16 +732,21 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("batch,hq,hkv,capacity,rows,loader", [
     (16, 32, 8, 4096, "equal", "auto"), (16, 32, 8, 4096, "ragged", "auto"), (64, 32, 8, 2048, "equal", "auto"),
-    (4, 32, 8, 1024, "equal", "auto"), (1, 14, 2, 1024, "equal", "auto"), (16, 32, 8, 4096, "equal", "regs_k")])
+    (4, 32, 8, 1024, "equal", "auto"), (1, 14, 2, 1024, "equal", "auto"), (1, 14, 2, 32768, "equal", "auto"),
+    (8, 12, 12, 1024, "ragged", "auto"), (16, 32, 8, 4096, "equal", "regs_k"), (1, 14, 2, 1024, "equal", "cp_async"),
+    (64, 32, 8, 2048, "equal", "cp_async_shallow")])
 def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader):
     """At head size 64 auto loads K and V by TMA (loader code 1) where at least as many CTAs as
     SMs stream splits of 2,048 keys of capacity or more (on an H200: B64 32/8 with 2,048 keys in
     one split), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys:
     2 splits, of which equal rows take 1; equal and ragged rows alike, as the plan fixes the
-    kernel), and by cp.async (code 0) there and where fewer CTAs stream (B4 32/8 L1024, B1 14/2
-    L1024); K into registers (code 2), auto's choice at B64 and B16 until the fortieth round,
-    only under its pin. Each matches the reference and the CPU backend, in place, without
-    features and with RoPE, softcap, a sink and ragged rows."""
+    kernel), and by cp.async (code 0) there; by cp.async with three stages (code 4) where the
+    grid is one wave at one CTA an SM and its splits hold 512 keys of capacity or fewer (B4 32/8
+    L1024, B1 14/2 L1024 and L32768), with five (code 0) where they hold more (B8 12/12 L1024,
+    one split of 1,024 keys). K into registers (code 2, auto's choice at B64 and B16 until the
+    fortieth round), five-stage cp.async at B1 14/2 and three-stage cp.async with many CTAs run
+    under their pins. Each matches the reference and the CPU backend, in place, without features
+    and with RoPE, softcap, a sink and ragged rows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
     pasts = ([capacity - 1] * batch if rows == "equal" else
@@ -749,7 +756,10 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     slots = batch * hkv
     many_long = plan["max_splits"] * slots >= sms and capacity // plan["max_splits"] >= 2048
     equal_rows_one_wave = 0 < plan["equal_rows_splits"] * slots <= sms
-    code = 2 if loader == "regs_k" else (1 if many_long and not equal_rows_one_wave else 0)
+    one_wave_short = plan["max_splits"] * slots <= sms and capacity // plan["max_splits"] <= 512
+    code = {"regs_k": 2, "cp_async": 0, "cp_async_shallow": 4}.get(loader)
+    if code is None:
+        code = 1 if many_long and not equal_rows_one_wave else (4 if one_wave_short else 0)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(64, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])

@@ -38,8 +38,9 @@ namespace detail {
 // both stream 4.5-4.58 TB/s when L2 fetches 128 bytes around each read (Work::l2_fetch; TMA
 // stopped near 4.3 with the 256-byte promotion it had until the twenty-seventh round), and
 // cp.async 4.33. kLoadTmaFourWarps is the TMA loader with four warps a CTA at head size 256
-// as at the others (see DecodeCfg), for grids of at most one CTA an SM.
-enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaFourWarps = 3 };
+// as at the others (see DecodeCfg), for grids of at most one CTA an SM; kLoadCpAsyncShallow the
+// cp.async loader with three stages instead of five at head size 64, for the same grids.
+enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaFourWarps = 3, kLoadCpAsyncShallow = 4 };
 
 // Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
 // aside), whose ~100 KB of stages let two CTAs share an SM. A variant with two warps, 32-key
@@ -53,7 +54,7 @@ enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTm
 // only, and more of them in the same bytes.
 template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
-  static constexpr bool kTma = kLoader != kLoadCpAsync;
+  static constexpr bool kTma = kLoader != kLoadCpAsync && kLoader != kLoadCpAsyncShallow;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
   static constexpr int kWarps = D >= 256 && kLoader != kLoadTmaFourWarps ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
@@ -63,7 +64,11 @@ struct DecodeCfg {
   static constexpr size_t kStageBytes =
       kTma ? (kRegK ? 1 : 2) * kWarps * kSliceBytes : 2 * kTile * kStride * 2;  // K (unless kRegK) and V
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
-  static constexpr int kStages = kRegK ? (D <= 64 ? 8 : 5) : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
+  // kLoadCpAsyncShallow: three stages at head size 64, for short splits of CTAs that have their
+  // SM to itself, where fewer tiles a CTA in flight read faster (launch_decode_mma_d).
+  static constexpr int kStages = kRegK                             ? (D <= 64 ? 8 : 5)
+                                 : kLoader == kLoadCpAsyncShallow ? 3
+                                                                  : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
   static constexpr int kKChunks = kRegK ? D / 32 : 1;  // kRegK: 16-byte K chunks a lane holds a key
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr bool kQInRegs = D <= 128;
@@ -403,12 +408,10 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // The split's first kStages - 1 tiles.
   auto issue_first_tiles = [&]() {
     if constexpr (kTma) {
-#pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) {
-        if (s < ntiles) load_slice(s, s);
-      }
+#pragma unroll 1
+      for (int s = 0; s < kStages - 1 && s < ntiles; ++s) load_slice(s, s);
     } else {
-#pragma unroll
+#pragma unroll 1
       for (int s = 0; s < kStages - 1; ++s) {
         if (s < ntiles) load_tile(s, s);
         cp_async_commit();
@@ -888,9 +891,11 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
 // head sizes 128 and 256, at 256 four warps a CTA where the grid is one wave at one CTA an SM;
 // at 64, TMA with at least as many CTAs as SMs and 2,048 keys of capacity a split or more,
-// unless equal rows would run one CTA an SM; cp.async elsewhere), 1 cp.async always, 2 TMA
-// where it can run, 3 K by plain loads into registers and V by TMA where it can run (head sizes
-// 64 and 128), else as auto, 4 as 2 with four warps a CTA at 256 whatever the grid.
+// unless equal rows would run one CTA an SM; cp.async elsewhere, three stages of it at 64 where
+// the grid is one wave at one CTA an SM), 1 cp.async always (five stages at 64), 2 TMA where it
+// can run, 3 K by plain loads into registers and V by TMA where it can run (head sizes 64 and
+// 128), else as auto, 4 as 2 with four warps a CTA at 256 whatever the grid, 5 cp.async in three
+// stages at 64 whatever the grid, elsewhere as 1.
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
@@ -953,7 +958,7 @@ template <typename T, int D>
 bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
-  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && device_is_sm90();
+  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && pinned != 5 && device_is_sm90();
   // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies
   // and plain loads always ask for).
   // On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode grid streaming
@@ -1021,6 +1026,19 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
                         (D == 64 && many_ctas && long_ranges && !equal_rows_one_wave);
   if constexpr (D % 64 == 0) {
     if (tma && (pinned == 2 || pinned == 4 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
+  }
+  // At D = 64, where the grid is one wave of at most one CTA an SM and the splits are short (512
+  // keys of capacity or fewer, eight tiles), auto's cp.async takes three stages instead of five
+  // (kLoadCpAsyncShallow). Forty-first round, one H200, interleaved in one process, us, three /
+  // five stages (SDPA cuDNN): B1 14/2/64 L1024 4.18-4.21 / 4.25-4.28 (5.36-5.45), L32768
+  // 9.34-9.42 / 9.69-9.72 (11.82-11.87), B1 32/8/64 L8192 8.67-8.69 / 9.34-9.35 (10.55), B4
+  // 32/8/64 L1024 6.48-6.51 / 6.78-6.79, B8 14/2/64 L4096 8.87-8.88 / 9.40-9.42; level at B1
+  // 14/2/64 L4096 and L16384 and B2 L8192. With longer splits three stages left the stream short
+  // of requests: B8 12/12/64 L1024 (96 CTAs of 1,024 keys) 11.17-11.22 / 10.90-10.92.
+  const bool short_ranges = p.capacity / w.max_splits <= 512;
+  if constexpr (D == 64) {
+    if ((pinned == 0 && ctas <= sms && short_ranges) || pinned == 5)
+      return launch_decode_loader<T, D, kLoadCpAsyncShallow>(p, w, fused, stream, maps);
   }
   return launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
 }
