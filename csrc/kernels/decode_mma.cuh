@@ -405,7 +405,9 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
   };
 
-  // The split's first kStages - 1 tiles.
+  // The split's first kStages - 1 tiles. The loops stay rolled: unrolled, each of the two call
+  // sites below held kStages - 1 copies of the copy code (120-624 more SASS instructions a
+  // kernel, forty-first round; no row measured faster either way).
   auto issue_first_tiles = [&]() {
     if constexpr (kTma) {
 #pragma unroll 1
