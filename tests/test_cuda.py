@@ -633,17 +633,18 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
             _run_cuda_and_cpu(case)
 
 
-@pytest.fixture(params=["cp_async", "cp_async_shallow", "tma", "regs_k"])
+@pytest.fixture(params=["cp_async", "cp_async_shallow", "cp_async_one_ahead", "tma", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build TMA at head sizes 128 and 256, at 256 with four warps a CTA where the grid, or its
     equal rows' part, is one wave at one CTA an SM, at 64 where many CTAs stream long splits and
     equal rows would not run one CTA an SM, else cp.async, with three stages at 64 where the grid
-    is one wave at one CTA an SM), so that every loader stays tested there. "cp_async_shallow"
-    (three stages) exists at head size 64 and "regs_k" (K into registers, V by TMA) at 64 and
-    128; elsewhere they run as "cp_async" and auto. The four-warp layout's own pin,
+    is one wave at one CTA an SM, and with one tile ahead at 80 and 96 where more CTAs than SMs
+    stream), so that every loader stays tested there. "cp_async_shallow" (three stages) exists at
+    head size 64, "cp_async_one_ahead" at 80 and 96, and "regs_k" (K into registers, V by TMA)
+    at 64 and 128; elsewhere the first two run as "cp_async" and the last as auto. The four-warp layout's own pin,
     "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
-    tma = request.param not in ("cp_async", "cp_async_shallow")
+    tma = request.param not in ("cp_async", "cp_async_shallow", "cp_async_one_ahead")
     if tma and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
     if tma and "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
@@ -762,6 +763,32 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
         code = 1 if many_long and not equal_rows_one_wave else (4 if one_wave_short else 0)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(64, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
+                                     capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("batch,head_dim,capacity,rows,loader,code", [
+    (8, 80, 2048, "ragged", "auto", 5), (8, 96, 1024, "equal", "auto", 5), (1, 96, 1024, "equal", "auto", 0),
+    (4, 96, 4096, "equal", "auto", 0), (16, 80, 1024, "ragged", "auto", 0), (8, 96, 1024, "equal", "cp_async", 0),
+    (1, 80, 1024, "equal", "cp_async_one_ahead", 5)])
+def test_cuda_decode_head_sizes_80_96_loaders(dtype, batch, head_dim, capacity, rows, loader, code):
+    """At head sizes 80 and 96 (cp.async only) auto keeps one tile in flight ahead (loader code
+    5) where the grid is one wave at two CTAs an SM (on an H200: B8 32/32, 256 CTAs of one split)
+    and a batch of equal rows would not run one CTA an SM, and kStages - 1 (code 0) elsewhere:
+    at one CTA an SM (B1 32/32 L1024: 4 splits, 128 CTAs), where equal rows would run so (B4
+    32/32 L4096: 2 splits, of which equal rows take 1) and in more waves (B16 L1024, 512 CTAs).
+    Each runs under its pin whatever the grid. Each matches the reference and the CPU backend,
+    in place, without features and with RoPE, softcap, a sink and ragged rows."""
+    pasts = ([capacity - 1] * batch if rows == "equal" else
+             [(capacity - 1 - 997 * i) % capacity for i in range(batch)])
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    plan = gqa_torch._C._decode_plan(batch, 32, 32, capacity, sms, head_dim=head_dim)
+    if loader == "auto":  # the case's premise
+        ctas = plan["max_splits"] * batch * 32
+        equal_rows_one_wave = 0 < plan["equal_rows_splits"] * batch * 32 <= sms
+        assert (code == 5) == (sms < ctas <= 2 * sms and not equal_rows_one_wave), (plan, sms)
+    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+        _check_decode_and_its_loader(head_dim, code, (plan, sms), batch=batch, num_heads=32, kv_num_heads=32,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
 

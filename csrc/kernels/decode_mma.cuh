@@ -39,8 +39,12 @@ namespace detail {
 // stopped near 4.3 with the 256-byte promotion it had until the twenty-seventh round), and
 // cp.async 4.33. kLoadTmaFourWarps is the TMA loader with four warps a CTA at head size 256
 // as at the others (see DecodeCfg), for grids of at most one CTA an SM; kLoadCpAsyncShallow the
-// cp.async loader with three stages instead of five at head size 64, for the same grids.
-enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaFourWarps = 3, kLoadCpAsyncShallow = 4 };
+// cp.async loader with three stages instead of five at head size 64, for the same grids; and
+// kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in flight ahead instead of
+// kStages - 1, at head sizes 80 and 96 for grids of more CTAs than SMs.
+enum DecodeLoader : int {
+  kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaFourWarps = 3, kLoadCpAsyncShallow = 4, kLoadCpAsyncOneAhead = 5
+};
 
 // Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
 // aside), whose ~100 KB of stages let two CTAs share an SM. A variant with two warps, 32-key
@@ -54,7 +58,7 @@ enum DecodeLoader : int { kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTm
 // only, and more of them in the same bytes.
 template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
-  static constexpr bool kTma = kLoader != kLoadCpAsync && kLoader != kLoadCpAsyncShallow;
+  static constexpr bool kTma = kLoader == kLoadTma || kLoader == kLoadTmaV || kLoader == kLoadTmaFourWarps;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
   static constexpr int kWarps = D >= 256 && kLoader != kLoadTmaFourWarps ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
@@ -69,6 +73,9 @@ struct DecodeCfg {
   static constexpr int kStages = kRegK                             ? (D <= 64 ? 8 : 5)
                                  : kLoader == kLoadCpAsyncShallow ? 3
                                                                   : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
+  // Tiles in flight ahead of the one being computed. kLoadCpAsyncOneAhead: one, in the ring (and
+  // the shared memory, so as many CTAs an SM) of kLoadCpAsync.
+  static constexpr int kAhead = kLoader == kLoadCpAsyncOneAhead ? 1 : kStages - 1;
   static constexpr int kKChunks = kRegK ? D / 32 : 1;  // kRegK: 16-byte K chunks a lane holds a key
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr bool kQInRegs = D <= 128;
@@ -250,7 +257,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // (the previous step's append, its output fed back as q): the copies read what it wrote.
   // Only for a valid row's non-empty split, whose keys lie inside the capacity.
   if (w.l2_prefetch != 0 && g.flags == 0 && split < active && k0 < k1) {
-    constexpr int kL2Keys = (kStages - 1 < 2 ? kStages - 1 : 2) * kTile;
+    constexpr int kL2Keys = (Cfg::kAhead < 2 ? Cfg::kAhead : 2) * kTile;
     const int keys = min(k1 - k0, kL2Keys);
     const int64_t first = static_cast<int64_t>(k0) * cs.token;
     l2_prefetch_rows<D>(kbase + first, keys, cs.token, tid, Cfg::kThreads);
@@ -405,16 +412,16 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
   };
 
-  // The split's first kStages - 1 tiles. The loops stay rolled: unrolled, each of the two call
-  // sites below held kStages - 1 copies of the copy code (120-624 more SASS instructions a
+  // The split's first kAhead tiles. The loops stay rolled: unrolled, each of the two call
+  // sites below held kAhead copies of the copy code (120-624 more SASS instructions a
   // kernel, forty-first round; no row measured faster either way).
   auto issue_first_tiles = [&]() {
     if constexpr (kTma) {
 #pragma unroll 1
-      for (int s = 0; s < kStages - 1 && s < ntiles; ++s) load_slice(s, s);
+      for (int s = 0; s < Cfg::kAhead && s < ntiles; ++s) load_slice(s, s);
     } else {
 #pragma unroll 1
-      for (int s = 0; s < kStages - 1; ++s) {
+      for (int s = 0; s < Cfg::kAhead; ++s) {
         if (s < ntiles) load_tile(s, s);
         cp_async_commit();
       }
@@ -430,7 +437,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   auto drain_first_tiles = [&]() {
     if constexpr (kTma) {
       if (lane == 0) {
-        for (int s = 0; s < kStages - 1 && s < ntiles; ++s) {
+        for (int s = 0; s < Cfg::kAhead && s < ntiles; ++s) {
           if (slice_keys(s) > 0) mbarrier_wait(slice_bars + 8u * s, 0);
         }
       }
@@ -628,7 +635,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // One tile of this warp; kRegK: K of this tile is in kc (the next tile's is on its way into
   // the other register set).
   auto tile_step = [&](const int tile, uint4 (&kc)[2][kKU]) {
-    const int nt = tile + kStages - 1;  // the tile that goes into the stage tile - 1 used
+    const int nt = tile + Cfg::kAhead;  // the tile that goes into the stage tile + kAhead - kStages used
     const int stage = tile % kStages;
     if constexpr (kTma) {
       // This warp's slice of tile - 1 is consumed (its ldmatrix reads and any new-key patch or
@@ -649,15 +656,15 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
         __syncwarp();
       }
     } else {
-      // Refill before the wait: once every warp is done with the stage of tile - 1 (the first
-      // barrier), tile + kStages - 1 goes into it, and only then does this thread wait for
-      // tile `tile`, so kStages - 1 tiles stay in flight during the wait instead of
-      // kStages - 2. The second barrier makes tile `tile` (each thread waited for its own
-      // copies) visible to every warp.
+      // Refill before the wait: once every warp is done with tile - 1 (the first barrier), tile
+      // + kAhead goes into its stage (the one tile - 1 used, where kAhead = kStages - 1; an
+      // older one under kLoadCpAsyncOneAhead), and only then does this thread wait for tile
+      // `tile`, so kAhead tiles stay in flight during the wait instead of kAhead - 1. The second
+      // barrier makes tile `tile` (each thread waited for its own copies) visible to every warp.
       __syncthreads();
       if (nt < ntiles) load_tile(nt, nt % kStages);
       cp_async_commit();
-      cp_async_wait<kStages - 1>();
+      cp_async_wait<Cfg::kAhead>();
       __syncthreads();
     }
     const int t0 = k0 + tile * kTile;
@@ -960,7 +967,7 @@ template <typename T, int D>
 bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
-  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && pinned != 5 && device_is_sm90();
+  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && pinned != 5 && pinned != 6 && device_is_sm90();
   // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies
   // and plain loads always ask for).
   // On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode grid streaming
@@ -1041,6 +1048,20 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   if constexpr (D == 64) {
     if ((pinned == 0 && ctas <= sms && short_ranges) || pinned == 5)
       return launch_decode_loader<T, D, kLoadCpAsyncShallow>(p, w, fused, stream, maps);
+  }
+  // At D = 80 and 96 (cp.async only: the TMA boxes are 64 columns wide), where the grid is one
+  // wave at two CTAs an SM (more CTAs than SMs, at most twice as many) and a batch of equal rows
+  // would not run one CTA an SM, auto keeps one tile in flight ahead instead of three
+  // (kLoadCpAsyncOneAhead). Forty-first round, one H200, one process, interleaved, us, one /
+  // three tiles ahead (SDPA cuDNN): B8 32/32/80 L2048 45.2-45.3 / 47.0-47.2 (44.1), B8 32/32/96
+  // L4096 100.9-101.8 / 106.0-107.1 (100.4), lengths from 256 78.9-79.0 / 82.1-82.4. Elsewhere
+  // three stay: one ahead tied at B16 32/32/80 L1024 (512 CTAs; 47.2-47.3 / 47.3-47.5), lost at
+  // B32 32/32/80 L2048 (1,024 CTAs; 171.4 / 169.1) and at B4 32/32/96 L4096, whose equal rows
+  // run one CTA an SM (58.8 / 53.7), and at B = 1 (10.6 / 10.5).
+  const bool one_wave_at_two = ctas > sms && ctas <= 2 * sms && !equal_rows_one_wave;
+  if constexpr (D == 80 || D == 96) {
+    if ((pinned == 0 && one_wave_at_two) || pinned == 6)
+      return launch_decode_loader<T, D, kLoadCpAsyncOneAhead>(p, w, fused, stream, maps);
   }
   return launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);
 }

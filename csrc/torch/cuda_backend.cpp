@@ -121,7 +121,9 @@ void set_prefill_append(const std::string& append) {
 
 void set_decode_loader(const std::string& loader) {
   // The index is the kernel's loader code (kernels/launch.h).
-  static const char* const kLoaders[] = {"auto", "cp_async", "tma", "regs_k", "tma_four_warps", "cp_async_shallow"};
+  static const char* const kLoaders[] = {"auto",           "cp_async",         "tma",
+                                         "regs_k",         "tma_four_warps",   "cp_async_shallow",
+                                         "cp_async_one_ahead"};
   set_switch(kLoaders, loader, "decode loader", GQA_CUDA_SWITCH(set_decode_loader));
 }
 
