@@ -39,11 +39,17 @@ namespace detail {
 // stopped near 4.3 with the 256-byte promotion it had until the twenty-seventh round), and
 // cp.async 4.33. kLoadTmaFourWarps is the TMA loader with four warps a CTA at head size 256
 // as at the others (see DecodeCfg), for grids of at most one CTA an SM; kLoadCpAsyncShallow the
-// cp.async loader with three stages instead of five at head size 64, for the same grids; and
-// kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in flight ahead instead of
-// kStages - 1, at head sizes 80 and 96 for grids of more CTAs than SMs.
+// cp.async loader with three stages instead of five at head size 64, for the same grids when
+// their splits are short; and kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in
+// flight ahead instead of kStages - 1, at head sizes 80 and 96 for grids of one wave at two CTAs
+// an SM (launch_decode_mma_d).
 enum DecodeLoader : int {
-  kLoadCpAsync = 0, kLoadTma = 1, kLoadTmaV = 2, kLoadTmaFourWarps = 3, kLoadCpAsyncShallow = 4, kLoadCpAsyncOneAhead = 5
+  kLoadCpAsync = 0,
+  kLoadTma = 1,
+  kLoadTmaV = 2,
+  kLoadTmaFourWarps = 3,
+  kLoadCpAsyncShallow = 4,
+  kLoadCpAsyncOneAhead = 5
 };
 
 // Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
@@ -900,11 +906,13 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
 // head sizes 128 and 256, at 256 four warps a CTA where the grid is one wave at one CTA an SM;
 // at 64, TMA with at least as many CTAs as SMs and 2,048 keys of capacity a split or more,
-// unless equal rows would run one CTA an SM; cp.async elsewhere, three stages of it at 64 where
-// the grid is one wave at one CTA an SM), 1 cp.async always (five stages at 64), 2 TMA where it
-// can run, 3 K by plain loads into registers and V by TMA where it can run (head sizes 64 and
-// 128), else as auto, 4 as 2 with four warps a CTA at 256 whatever the grid, 5 cp.async in three
-// stages at 64 whatever the grid, elsewhere as 1.
+// unless equal rows would run one CTA an SM; cp.async elsewhere, in three stages at 64 where the
+// grid is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one
+// wave at two CTAs an SM), 1 cp.async always (five stages at 64, three tiles ahead at 80 and
+// 96), 2 TMA where it can run, 3 K by plain loads into registers and V by TMA where it can run
+// (head sizes 64 and 128), else as auto, 4 as 2 with four warps a CTA at 256 whatever the grid,
+// 5 cp.async in three stages at 64 whatever the grid, 6 cp.async one tile ahead at 80 and 96
+// whatever the grid (5 and 6 elsewhere as 1).
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).

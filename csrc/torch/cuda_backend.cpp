@@ -120,7 +120,7 @@ void set_prefill_append(const std::string& append) {
 }
 
 void set_decode_loader(const std::string& loader) {
-  // The index is the kernel's loader code (kernels/launch.h).
+  // The index is set_decode_loader's value (kernels/launch.h), not the kernel's loader code.
   static const char* const kLoaders[] = {"auto",           "cp_async",         "tma",
                                          "regs_k",         "tma_four_warps",   "cp_async_shallow",
                                          "cp_async_one_ahead"};
