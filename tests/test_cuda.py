@@ -638,12 +638,13 @@ def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build TMA at head sizes 128 and 256, at 256 with four warps a CTA where the grid, or its
     equal rows' part, is one wave at one CTA an SM, at 64 where many CTAs stream long splits and
-    equal rows would not run one CTA an SM, else cp.async, with three stages at 64 where the grid
-    is one wave at one CTA an SM, and with one tile ahead at 80 and 96 where more CTAs than SMs
-    stream), so that every loader stays tested there. "cp_async_shallow" (three stages) exists at
-    head size 64, "cp_async_one_ahead" at 80 and 96, and "regs_k" (K into registers, V by TMA)
-    at 64 and 128; elsewhere the first two run as "cp_async" and the last as auto. The four-warp layout's own pin,
-    "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
+    equal rows would not run one CTA an SM, else cp.async: in three stages at 64 where the grid
+    is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one
+    wave at two CTAs an SM), so that every loader stays tested there. "cp_async_shallow" (three
+    stages) exists at head size 64, "cp_async_one_ahead" at 80 and 96, and "regs_k" (K into
+    registers, V by TMA) at 64 and 128; elsewhere the first two run as "cp_async" and the last
+    as auto. The four-warp layout's own pin, "tma_four_warps", is
+    test_cuda_decode_head_size_256_warps's."""
     tma = request.param not in ("cp_async", "cp_async_shallow", "cp_async_one_ahead")
     if tma and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
