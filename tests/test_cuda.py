@@ -682,6 +682,14 @@ def _decode_loader_codes(names, head_dim):
     return codes
 
 
+def _loader_test_pasts(rows, batch, capacity):
+    """The loader tests' past lengths: every row full ("equal") or spread over the capacity
+    ("ragged", a stride of 997 keys)."""
+    if rows == "equal":
+        return [capacity - 1] * batch
+    return [(capacity - 1 - 997 * i) % capacity for i in range(batch)]
+
+
 def _check_decode_and_its_loader(head_dim, code, context, **shape):
     """The in-place decode call on `shape` (make_case's keywords) without features and with RoPE,
     softcap, a sink and larger logits, each against the reference and the CPU backend; then the
@@ -718,8 +726,7 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
                                  or "9.0a" not in gqa_torch.build_info()["cuda_archs"]):
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
     capacity = {1: 2048, 8: 1100, 33: 4160, 34: 300}[batch]
-    pasts = ([capacity - 1] * batch if rows == "equal" else
-             [(capacity - 1 - 997 * i) % capacity for i in range(batch)])
+    pasts = _loader_test_pasts(rows, batch, capacity)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=256)
     slots = batch * hkv
@@ -751,8 +758,7 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     and with RoPE, softcap, a sink and ragged rows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
-    pasts = ([capacity - 1] * batch if rows == "equal" else
-             [(capacity - 1 - 997 * i) % capacity for i in range(batch)])
+    pasts = _loader_test_pasts(rows, batch, capacity)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=64)
     slots = batch * hkv
@@ -780,8 +786,7 @@ def test_cuda_decode_head_sizes_80_96_loaders(dtype, batch, head_dim, capacity, 
     32/32 L4096: 2 splits, of which equal rows take 1) and in more waves (B16 L1024, 512 CTAs).
     Each runs under its pin whatever the grid. Each matches the reference and the CPU backend,
     in place, without features and with RoPE, softcap, a sink and ragged rows."""
-    pasts = ([capacity - 1] * batch if rows == "equal" else
-             [(capacity - 1 - 997 * i) % capacity for i in range(batch)])
+    pasts = _loader_test_pasts(rows, batch, capacity)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     plan = gqa_torch._C._decode_plan(batch, 32, 32, capacity, sms, head_dim=head_dim)
     if loader == "auto":  # the case's premise
