@@ -633,18 +633,21 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
             _run_cuda_and_cpu(case)
 
 
-@pytest.fixture(params=["cp_async", "cp_async_shallow", "cp_async_one_ahead", "tma", "regs_k"])
+@pytest.fixture(params=["cp_async", "cp_async_shallow", "cp_async_one_ahead", "tma", "tma_one_ahead", "tma_shallow",
+                        "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
-    9.0a build TMA at head sizes 128 and 256, at 256 with four warps a CTA where the grid, or its
-    equal rows' part, is one wave at one CTA an SM, at 64 where many CTAs stream long splits and
-    equal rows would not run one CTA an SM, else cp.async: in three stages at 64 where the grid
-    is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one
-    wave at two CTAs an SM), so that every loader stays tested there. "cp_async_shallow" (three
-    stages) exists at head size 64, "cp_async_one_ahead" at 80 and 96, and "regs_k" (K into
-    registers, V by TMA) at 64 and 128; elsewhere the first two run as "cp_async" and the last
-    as auto. The four-warp layout's own pin, "tma_four_warps", is
-    test_cuda_decode_head_size_256_warps's."""
+    9.0a build TMA at head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs
+    stream splits of 1,024-4,096 keys, at 256 with four warps a CTA where the grid, or its equal
+    rows' part, is one wave at one CTA an SM, at 64 in three stages where more than two CTAs an
+    SM stream short splits and in five where many CTAs stream long ones, neither where equal rows
+    would run one CTA an SM, else cp.async: in three stages at 64 where the grid is one wave at
+    one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one wave at two CTAs
+    an SM), so that every loader stays tested there. "cp_async_shallow" (three stages) exists at
+    head size 64, "cp_async_one_ahead" at 80 and 96, "tma_one_ahead" at 128, "tma_shallow" (three
+    stages) at 64 and "regs_k" (K into registers, V by TMA) at 64 and 128; elsewhere the first
+    two run as "cp_async", the next two as "tma" and the last as auto. The four-warp layout's
+    own pin, "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
     tma = request.param not in ("cp_async", "cp_async_shallow", "cp_async_one_ahead")
     if tma and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
@@ -743,33 +746,69 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
     (16, 32, 8, 4096, "equal", "auto"), (16, 32, 8, 4096, "ragged", "auto"), (64, 32, 8, 2048, "equal", "auto"),
     (4, 32, 8, 1024, "equal", "auto"), (1, 14, 2, 1024, "equal", "auto"), (1, 14, 2, 32768, "equal", "auto"),
     (8, 12, 12, 1024, "ragged", "auto"), (16, 32, 8, 4096, "equal", "regs_k"), (1, 14, 2, 1024, "equal", "cp_async"),
-    (64, 32, 8, 2048, "equal", "cp_async_shallow")])
+    (64, 32, 8, 2048, "equal", "cp_async_shallow"), (72, 32, 8, 1024, "ragged", "auto"), (34, 32, 8, 4096, "equal", "auto"),
+    (34, 32, 8, 2048, "equal", "tma"), (16, 32, 8, 4096, "equal", "tma_shallow")])
 def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader):
-    """At head size 64 auto loads K and V by TMA (loader code 1) where at least as many CTAs as
-    SMs stream splits of 2,048 keys of capacity or more (on an H200: B64 32/8 with 2,048 keys in
-    one split), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys:
-    2 splits, of which equal rows take 1; equal and ragged rows alike, as the plan fixes the
+    """At head size 64 auto loads K and V by TMA in three stages (loader code 7, four CTAs an
+    SM) where more than two CTAs an SM stream splits of 2,048 keys of capacity or fewer (on an
+    H200: B64 32/8 with 2,048 keys and B72 with 1,024, one split a row) and in five (code 1)
+    where at least as many CTAs as SMs stream longer splits (B34 32/8 with 4,096 keys in one
+    split), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys: 2
+    splits, of which equal rows take 1; equal and ragged rows alike, as the plan fixes the
     kernel), and by cp.async (code 0) there; by cp.async with three stages (code 4) where the
     grid is one wave at one CTA an SM and its splits hold 512 keys of capacity or fewer (B4 32/8
     L1024, B1 14/2 L1024 and L32768), with five (code 0) where they hold more (B8 12/12 L1024,
     one split of 1,024 keys). K into registers (code 2, auto's choice at B64 and B16 until the
-    fortieth round), five-stage cp.async at B1 14/2 and three-stage cp.async with many CTAs run
-    under their pins. Each matches the reference and the CPU backend, in place, without features
-    and with RoPE, softcap, a sink and ragged rows."""
+    fortieth round), five-stage cp.async at B1 14/2, three-stage cp.async with many CTAs, five
+    TMA stages at B34 L2048 and three at B16 run under their pins. Each matches the reference
+    and the CPU backend, in place, without features and with RoPE, softcap, a sink and ragged
+    rows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
     pasts = _loader_test_pasts(rows, batch, capacity)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=64)
     slots = batch * hkv
-    many_long = plan["max_splits"] * slots >= sms and capacity // plan["max_splits"] >= 2048
+    ctas, split_keys = plan["max_splits"] * slots, capacity // plan["max_splits"]
+    many_long = ctas >= sms and split_keys >= 2048
+    four_an_sm = ctas > 2 * sms and split_keys <= 2048
     equal_rows_one_wave = 0 < plan["equal_rows_splits"] * slots <= sms
-    one_wave_short = plan["max_splits"] * slots <= sms and capacity // plan["max_splits"] <= 512
-    code = {"regs_k": 2, "cp_async": 0, "cp_async_shallow": 4}.get(loader)
+    one_wave_short = ctas <= sms and split_keys <= 512
+    code = {"regs_k": 2, "cp_async": 0, "cp_async_shallow": 4, "tma": 1, "tma_shallow": 7}.get(loader)
+    if code is None and four_an_sm and not equal_rows_one_wave:
+        code = 7
     if code is None:
         code = 1 if many_long and not equal_rows_one_wave else (4 if one_wave_short else 0)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(64, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
+                                     capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("batch,capacity,rows,loader,code", [
+    (64, 1024, "equal", "auto", 6), (8, 8192, "ragged", "auto", 6), (8, 1024, "equal", "auto", 1),
+    (34, 4200, "equal", "auto", 1), (15, 4096, "equal", "auto", 1), (8, 1024, "equal", "tma_one_ahead", 6),
+    (64, 1024, "ragged", "tma", 1)])
+def test_cuda_decode_head_size_128_loaders(dtype, batch, capacity, rows, loader, code):
+    """At head size 128 auto's TMA keeps one tile in flight ahead (loader code 6) where the grid
+    has more CTAs than SMs, its splits hold 1,024-4,096 keys of capacity and a batch of equal
+    rows would not run one CTA an SM (on an H200, 32/8 heads: B64 L1024, one split a row; B8
+    L8192, 8 splits), and two (code 1) elsewhere: with shorter splits (B8 L1024, 2 splits of 512
+    keys), longer ones (B34 L4200, one split) and where equal rows run one CTA an SM (B15 L4096:
+    2 splits, of which equal rows take 1). Each runs under its pin whatever the grid. Each
+    matches the reference and the CPU backend, in place, without features and with RoPE,
+    softcap, a sink and ragged rows."""
+    if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+        pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
+    pasts = _loader_test_pasts(rows, batch, capacity)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    plan = gqa_torch._C._decode_plan(batch, 32, 8, capacity, sms, head_dim=128)
+    if loader == "auto":  # the case's premise
+        ctas, split_keys = plan["max_splits"] * batch * 8, capacity // plan["max_splits"]
+        equal_rows_one_wave = 0 < plan["equal_rows_splits"] * batch * 8 <= sms
+        assert (code == 6) == (ctas > sms and 1024 <= split_keys <= 4096 and not equal_rows_one_wave), (plan, sms)
+    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+        _check_decode_and_its_loader(128, code, (plan, sms), batch=batch, num_heads=32, kv_num_heads=8,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
 

@@ -40,16 +40,21 @@ namespace detail {
 // cp.async 4.33. kLoadTmaFourWarps is the TMA loader with four warps a CTA at head size 256
 // as at the others (see DecodeCfg), for grids of at most one CTA an SM; kLoadCpAsyncShallow the
 // cp.async loader with three stages instead of five at head size 64, for the same grids when
-// their splits are short; and kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in
+// their splits are short; kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in
 // flight ahead instead of kStages - 1, at head sizes 80 and 96 for grids of one wave at two CTAs
-// an SM (launch_decode_mma_d).
+// an SM; kLoadTmaOneAhead the same for the TMA loader at head size 128, for grids of more CTAs
+// than SMs with splits of 1,024-4,096 keys; and kLoadTmaShallow the TMA loader with three
+// stages instead of five at head size 64, so that four CTAs share an SM, for grids of more than
+// two CTAs an SM with short splits (launch_decode_mma_d).
 enum DecodeLoader : int {
   kLoadCpAsync = 0,
   kLoadTma = 1,
   kLoadTmaV = 2,
   kLoadTmaFourWarps = 3,
   kLoadCpAsyncShallow = 4,
-  kLoadCpAsyncOneAhead = 5
+  kLoadCpAsyncOneAhead = 5,
+  kLoadTmaOneAhead = 6,
+  kLoadTmaShallow = 7
 };
 
 // Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
@@ -64,7 +69,8 @@ enum DecodeLoader : int {
 // only, and more of them in the same bytes.
 template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
-  static constexpr bool kTma = kLoader == kLoadTma || kLoader == kLoadTmaV || kLoader == kLoadTmaFourWarps;
+  static constexpr bool kTma = kLoader == kLoadTma || kLoader == kLoadTmaV || kLoader == kLoadTmaFourWarps ||
+                               kLoader == kLoadTmaOneAhead || kLoader == kLoadTmaShallow;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
   static constexpr int kWarps = D >= 256 && kLoader != kLoadTmaFourWarps ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
@@ -75,13 +81,16 @@ struct DecodeCfg {
       kTma ? (kRegK ? 1 : 2) * kWarps * kSliceBytes : 2 * kTile * kStride * 2;  // K (unless kRegK) and V
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
   // kLoadCpAsyncShallow: three stages at head size 64, for short splits of CTAs that have their
-  // SM to itself, where fewer tiles a CTA in flight read faster (launch_decode_mma_d).
-  static constexpr int kStages = kRegK                             ? (D <= 64 ? 8 : 5)
-                                 : kLoader == kLoadCpAsyncShallow ? 3
-                                                                  : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
-  // Tiles in flight ahead of the one being computed. kLoadCpAsyncOneAhead: one, in the ring (and
-  // the shared memory, so as many CTAs an SM) of kLoadCpAsync.
-  static constexpr int kAhead = kLoader == kLoadCpAsyncOneAhead ? 1 : kStages - 1;
+  // SM to itself, where fewer tiles a CTA in flight read faster; kLoadTmaShallow: three TMA
+  // stages at 64 (about 51 KB), so that four CTAs share an SM (launch_decode_mma_d).
+  static constexpr bool kShallow = kLoader == kLoadCpAsyncShallow || kLoader == kLoadTmaShallow;
+  static constexpr int kStages = kRegK      ? (D <= 64 ? 8 : 5)
+                                 : kShallow ? 3
+                                            : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
+  // Tiles in flight ahead of the one being computed. kLoadCpAsyncOneAhead and kLoadTmaOneAhead:
+  // one, in the ring (and the shared memory, so as many CTAs an SM) of kLoadCpAsync and kLoadTma.
+  static constexpr bool kOneAhead = kLoader == kLoadCpAsyncOneAhead || kLoader == kLoadTmaOneAhead;
+  static constexpr int kAhead = kOneAhead ? 1 : kStages - 1;
   static constexpr int kKChunks = kRegK ? D / 32 : 1;  // kRegK: 16-byte K chunks a lane holds a key
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr bool kQInRegs = D <= 128;
@@ -904,15 +913,19 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
-// head sizes 128 and 256, at 256 four warps a CTA where the grid is one wave at one CTA an SM;
-// at 64, TMA with at least as many CTAs as SMs and 2,048 keys of capacity a split or more,
-// unless equal rows would run one CTA an SM; cp.async elsewhere, in three stages at 64 where the
+// head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs stream splits of
+// 1,024-4,096 keys, at 256 four warps a CTA where the grid is one wave at one CTA an SM; at 64,
+// TMA in three stages where more than two CTAs an SM stream splits of up to 2,048 keys, and in
+// five with at least as many CTAs as SMs and 2,048 keys of capacity a split or more; neither
+// where equal rows would run one CTA an SM; cp.async elsewhere, in three stages at 64 where the
 // grid is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one
 // wave at two CTAs an SM), 1 cp.async always (five stages at 64, three tiles ahead at 80 and
-// 96), 2 TMA where it can run, 3 K by plain loads into registers and V by TMA where it can run
-// (head sizes 64 and 128), else as auto, 4 as 2 with four warps a CTA at 256 whatever the grid,
-// 5 cp.async in three stages at 64 whatever the grid, 6 cp.async one tile ahead at 80 and 96
-// whatever the grid (5 and 6 elsewhere as 1).
+// 96), 2 TMA where it can run (two tiles ahead at 128, five stages at 64), 3 K by plain loads
+// into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 as 2
+// with four warps a CTA at 256 whatever the grid, 5 cp.async in three stages at 64 whatever the
+// grid, 6 cp.async one tile ahead at 80 and 96 whatever the grid (5 and 6 elsewhere as 1), 7
+// TMA one tile ahead at 128 whatever the grid, 8 TMA in three stages at 64 whatever the grid (7
+// and 8 elsewhere as 2).
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
@@ -1041,8 +1054,43 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // CTAs of 496 keys, 9.7 against 10.1).
   const bool auto_tma = D == 128 || (D == 256 && many_ctas) ||
                         (D == 64 && many_ctas && long_ranges && !equal_rows_one_wave);
+  // Two variants of the TMA loader, each where a grid of many CTAs read faster with it
+  // (forty-second round, two H200s, one process each, interleaved, two runs, us, SDPA cuDNN in
+  // brackets):
+  // - At D = 128, one tile in flight ahead instead of two (kLoadTmaOneAhead), where the grid has
+  //   more CTAs than SMs, its splits hold 1,024-4,096 keys of capacity and a batch of equal rows
+  //   would not run one CTA an SM. One ahead / two: B64 32/8 L1024 66.40-66.44 / 67.06-67.08
+  //   (66.0) and 65.10-65.21 / 65.82-65.83 (65.0); B48 L2048 97.9-98.0 / 99.2-99.3 (96.4); B64
+  //   L1024 lengths from 256 48.2-48.3 / 49.4-49.5; B8 L8192 66.35-66.48 / 66.88-66.96 and
+  //   65.08-65.12 / 65.34-65.48; B8 L32768 245.8-246.2 / 246.2-246.7; B128 L1024 125.7-125.9 /
+  //   126.1-126.2; level at B64 L4096 and B32 L8192. Elsewhere two stay: one ahead lost with
+  //   longer splits (B64 L8192 +0.2%, L32768 +0.35%), with shorter ones and at B = 1 (B8 L1024,
+  //   256-key splits, 12.6 / 12.2; B1 L8192 12.4-12.5 / 12.25) and moved either way at B16 64/8,
+  //   whose equal rows run one CTA an SM (127.0-127.1 / 126.7-126.9 on one H200, 122.5-122.6 /
+  //   124.2 on the other).
+  // - At D = 64, three stages instead of five (kLoadTmaShallow, about 51 KB, so four CTAs share an
+  //   SM where two did), where the grid has more than two CTAs an SM, its splits hold 2,048 keys
+  //   of capacity or fewer and equal rows would not run one CTA an SM; cp.async took the shorter
+  //   of those splits before. Three TMA stages / auto before (TMA at 2,048 keys, cp.async at
+  //   1,024): B64 32/8/64 L1024 36.2 / 38.8-39.1 (34.8), lengths from 256 27.0 / 29.8-30.0;
+  //   L2048 66.25-66.26 / 68.75-68.84 (64.4); B128 L1024 66.5-67.0 / 70.1-70.3 (64.0), L2048
+  //   127.5-127.7 / 131.7 (121.6); level at B48 L2048 (384 CTAs; 58.6-58.9 / 58.6). With fewer
+  //   CTAs or longer splits they lost: B32 L8192 (256 CTAs of 4,096 keys) 129.5-137.1 / 125.7-125.9,
+  //   B16 L4096 41.8 / 36.9.
+  const int64_t split_keys = p.capacity / w.max_splits;
+  if constexpr (D == 128) {
+    const bool one_ahead = ctas > sms && split_keys >= 1024 && split_keys <= 4096 && !equal_rows_one_wave;
+    if (tma && ((pinned == 0 && one_ahead) || pinned == 7))
+      return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);
+  }
+  if constexpr (D == 64) {
+    const bool four_an_sm = ctas > 2 * sms && split_keys <= 2048 && !equal_rows_one_wave;
+    if (tma && ((pinned == 0 && four_an_sm) || pinned == 8))
+      return launch_decode_loader<T, D, kLoadTmaShallow>(p, w, fused, stream, maps);
+  }
   if constexpr (D % 64 == 0) {
-    if (tma && (pinned == 2 || pinned == 4 || auto_tma)) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
+    if (tma && (pinned == 2 || pinned == 4 || pinned == 7 || pinned == 8 || auto_tma))
+      return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
   // At D = 64, where the grid is one wave of at most one CTA an SM and the splits are short (512
   // keys of capacity or fewer, eight tiles), auto's cp.async takes three stages instead of five

@@ -14,18 +14,21 @@ namespace cuda {
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
-// sm90a build: TMA onto per-warp mbarriers at head sizes 128 and 256, at 256 with four warps a
-// CTA where the grid is one wave at one CTA an SM; at 64 TMA where at least as many CTAs as SMs
-// stream long key ranges, unless equal rows would run one CTA an SM; cp.async otherwise, in
+// sm90a build: TMA onto per-warp mbarriers at head sizes 128 and 256, at 128 with one tile in
+// flight ahead where more CTAs than SMs stream splits of 1,024-4,096 keys, at 256 with four
+// warps a CTA where the grid is one wave at one CTA an SM; at 64 TMA in three stages where more
+// than two CTAs an SM stream short key ranges and in five where at least as many CTAs as SMs
+// stream long ones, neither where equal rows would run one CTA an SM; cp.async otherwise, in
 // three stages at 64 where the grid is one wave at one CTA an SM of short splits, with one tile
 // in flight ahead at 80 and 96 where it is one wave at two CTAs an SM), 1 cp.async always (two
 // warps a CTA at 256, five stages at 64, three tiles ahead at 80 and 96), 2 TMA where it can run
-// (head sizes 64, 128 and 256, as auto picks the warps at 256), 3 ("regs_k") K by plain loads
-// into the mma fragments and V by TMA where that can run (head sizes 64 and 128), 4
-// ("tma_four_warps") as 2, with four warps a CTA at 256 whatever the grid, 5
-// ("cp_async_shallow") cp.async in three stages at 64 whatever the grid, 6
+// (head sizes 64, 128 and 256: five stages at 64, two tiles ahead at 128, as auto picks the
+// warps at 256), 3 ("regs_k") K by plain loads into the mma fragments and V by TMA where that
+// can run (head sizes 64 and 128), 4 ("tma_four_warps") as 2, with four warps a CTA at 256
+// whatever the grid, 5 ("cp_async_shallow") cp.async in three stages at 64 whatever the grid, 6
 // ("cp_async_one_ahead") cp.async one tile ahead at 80 and 96 whatever the grid (5 and 6
-// elsewhere as 1).
+// elsewhere as 1), 7 ("tma_one_ahead") TMA one tile ahead at 128 whatever the grid, 8
+// ("tma_shallow") TMA in three stages at 64 whatever the grid (7 and 8 elsewhere as 2).
 void set_decode_loader(int loader);
 
 // Whether the decode kernel has its four-warp layout at head size 256 (DecodeCfg) on a device of
