@@ -639,7 +639,7 @@ def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build TMA at head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs
     stream splits of 1,024-4,096 keys, at 256 with four warps a CTA where the grid, or its equal
-    rows' part, is one wave at one CTA an SM, at 64 in three stages where more than two CTAs an
+    rows' part, is one wave at one CTA an SM, at 64 in three stages where more than three CTAs an
     SM stream short splits and in five where many CTAs stream long ones, neither where equal rows
     would run one CTA an SM, else cp.async: in three stages at 64 where the grid is one wave at
     one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one wave at two CTAs
@@ -747,13 +747,13 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
     (4, 32, 8, 1024, "equal", "auto"), (1, 14, 2, 1024, "equal", "auto"), (1, 14, 2, 32768, "equal", "auto"),
     (8, 12, 12, 1024, "ragged", "auto"), (16, 32, 8, 4096, "equal", "regs_k"), (1, 14, 2, 1024, "equal", "cp_async"),
     (64, 32, 8, 2048, "equal", "cp_async_shallow"), (72, 32, 8, 1024, "ragged", "auto"), (34, 32, 8, 4096, "equal", "auto"),
-    (34, 32, 8, 2048, "equal", "tma"), (16, 32, 8, 4096, "equal", "tma_shallow")])
+    (34, 32, 8, 2048, "equal", "tma"), (16, 32, 8, 4096, "equal", "tma_shallow"), (48, 32, 8, 2048, "ragged", "auto")])
 def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader):
     """At head size 64 auto loads K and V by TMA in three stages (loader code 7, four CTAs an
-    SM) where more than two CTAs an SM stream splits of 2,048 keys of capacity or fewer (on an
-    H200: B64 32/8 with 2,048 keys and B72 with 1,024, one split a row) and in five (code 1)
+    SM) where more than three CTAs an SM stream splits of 2,048 keys of capacity or fewer (on
+    an H200: B64 32/8 with 2,048 keys and B72 with 1,024, one split a row) and in five (code 1)
     where at least as many CTAs as SMs stream longer splits (B34 32/8 with 4,096 keys in one
-    split), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys: 2
+    split) or fewer CTAs short ones (B48 with 2,048 keys, 384 CTAs), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys: 2
     splits, of which equal rows take 1; equal and ragged rows alike, as the plan fixes the
     kernel), and by cp.async (code 0) there; by cp.async with three stages (code 4) where the
     grid is one wave at one CTA an SM and its splits hold 512 keys of capacity or fewer (B4 32/8
@@ -771,7 +771,7 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     slots = batch * hkv
     ctas, split_keys = plan["max_splits"] * slots, capacity // plan["max_splits"]
     many_long = ctas >= sms and split_keys >= 2048
-    four_an_sm = ctas > 2 * sms and split_keys <= 2048
+    four_an_sm = ctas > 3 * sms and split_keys <= 2048
     equal_rows_one_wave = 0 < plan["equal_rows_splits"] * slots <= sms
     one_wave_short = ctas <= sms and split_keys <= 512
     code = {"regs_k": 2, "cp_async": 0, "cp_async_shallow": 4, "tma": 1, "tma_shallow": 7}.get(loader)
