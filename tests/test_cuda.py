@@ -640,13 +640,13 @@ def decode_loader(request):
     9.0a build TMA at head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs
     stream splits of 1,024-4,096 keys, at 256 with four warps a CTA where the grid, or its equal
     rows' part, is one wave at one CTA an SM, at 64 in three stages where more than three CTAs an
-    SM stream short splits and in five where many CTAs stream long ones, neither where equal rows
-    would run one CTA an SM, else cp.async: in three stages at 64 where the grid is one wave at
-    one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one wave at two CTAs
-    an SM), so that every loader stays tested there. "cp_async_shallow" (three stages) exists at
-    head size 64, "cp_async_one_ahead" at 80 and 96, "tma_one_ahead" at 128, "tma_shallow" (three
-    stages) at 64 and "regs_k" (K into registers, V by TMA) at 64 and 128; elsewhere the first
-    two run as "cp_async", the next two as "tma" and the last as auto. The four-warp layout's
+    SM stream short splits in row order and in five where many CTAs stream long ones, neither
+    where equal rows would run one CTA an SM, else cp.async: in three stages at 64 where the
+    grid is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is
+    one wave at two CTAs an SM), so that every loader stays tested there. "cp_async_shallow"
+    (three stages) exists at head size 64, "cp_async_one_ahead" at 80 and 96, "tma_one_ahead" at
+    128, "tma_shallow" (three stages) at 64 and "regs_k" (K into registers, V by TMA) at 64 and
+    128; elsewhere the first two run as "cp_async", the next two as "tma" and the last as auto. The four-warp layout's
     own pin, "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
     tma = request.param not in ("cp_async", "cp_async_shallow", "cp_async_one_ahead")
     if tma and torch.cuda.get_device_capability()[0] != 9:
@@ -750,12 +750,13 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
     (34, 32, 8, 2048, "equal", "tma"), (16, 32, 8, 4096, "equal", "tma_shallow"), (48, 32, 8, 2048, "ragged", "auto")])
 def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader):
     """At head size 64 auto loads K and V by TMA in three stages (loader code 7, four CTAs an
-    SM) where more than three CTAs an SM stream splits of 2,048 keys of capacity or fewer (on
-    an H200: B64 32/8 with 2,048 keys and B72 with 1,024, one split a row) and in five (code 1)
+    SM) where more than three CTAs an SM stream splits of 2,048 keys of capacity or fewer in
+    row order (on an H200: B72 32/8 with 1,024 keys, one split a row) and in five (code 1)
     where at least as many CTAs as SMs stream longer splits (B34 32/8 with 4,096 keys in one
-    split) or fewer CTAs short ones (B48 with 2,048 keys, 384 CTAs), unless a batch of equal rows would run one CTA an SM (B16 32/8 with 4,096 keys: 2
-    splits, of which equal rows take 1; equal and ragged rows alike, as the plan fixes the
-    kernel), and by cp.async (code 0) there; by cp.async with three stages (code 4) where the
+    split), fewer CTAs short ones (B48 with 2,048 keys, 384 CTAs) or the plan ranks the rows
+    longest first (B64 with 2,048 keys), unless a batch of equal rows would run one CTA an SM
+    (B16 32/8 with 4,096 keys: 2 splits, of which equal rows take 1; equal and ragged rows
+    alike, as the plan fixes the kernel), and by cp.async (code 0) there; by cp.async with three stages (code 4) where the
     grid is one wave at one CTA an SM and its splits hold 512 keys of capacity or fewer (B4 32/8
     L1024, B1 14/2 L1024 and L32768), with five (code 0) where they hold more (B8 12/12 L1024,
     one split of 1,024 keys). K into registers (code 2, auto's choice at B64 and B16 until the
@@ -771,7 +772,7 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     slots = batch * hkv
     ctas, split_keys = plan["max_splits"] * slots, capacity // plan["max_splits"]
     many_long = ctas >= sms and split_keys >= 2048
-    four_an_sm = ctas > 3 * sms and split_keys <= 2048
+    four_an_sm = ctas > 3 * sms and split_keys <= 2048 and not plan["longest_first"]
     equal_rows_one_wave = 0 < plan["equal_rows_splits"] * slots <= sms
     one_wave_short = ctas <= sms and split_keys <= 512
     code = {"regs_k": 2, "cp_async": 0, "cp_async_shallow": 4, "tma": 1, "tma_shallow": 7}.get(loader)

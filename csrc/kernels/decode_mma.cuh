@@ -45,7 +45,7 @@ namespace detail {
 // an SM; kLoadTmaOneAhead the same for the TMA loader at head size 128, for grids of more CTAs
 // than SMs with splits of 1,024-4,096 keys; and kLoadTmaShallow the TMA loader with three
 // stages instead of five at head size 64, so that four CTAs share an SM, for grids of more than
-// three CTAs an SM with short splits (launch_decode_mma_d).
+// three CTAs an SM with short splits in row order (launch_decode_mma_d).
 enum DecodeLoader : int {
   kLoadCpAsync = 0,
   kLoadTma = 1,
@@ -915,9 +915,10 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
 // head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs stream splits of
 // 1,024-4,096 keys, at 256 four warps a CTA where the grid is one wave at one CTA an SM; at 64,
-// TMA in three stages where more than three CTAs an SM stream splits of up to 2,048 keys, and in
-// five with at least as many CTAs as SMs and 2,048 keys of capacity a split or more; neither
-// where equal rows would run one CTA an SM; cp.async elsewhere, in three stages at 64 where the
+// TMA in three stages where more than three CTAs an SM stream splits of up to 2,048 keys in
+// row order (not longest first), and in five with at least as many CTAs as SMs and 2,048 keys
+// of capacity a split or more; neither where equal rows would run one CTA an SM; cp.async
+// elsewhere, in three stages at 64 where the
 // grid is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one
 // wave at two CTAs an SM), 1 cp.async always (five stages at 64, three tiles ahead at 80 and
 // 96), 2 TMA where it can run (two tiles ahead at 128, five stages at 64), 3 K by plain loads
@@ -1070,15 +1071,20 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   //   124.2 on the other).
   // - At D = 64, three stages instead of five (kLoadTmaShallow, about 51 KB, so four CTAs share an
   //   SM where two did), where the grid has more than three CTAs an SM (so that at four an SM
-  //   its first wave is nearly full), its splits hold 2,048 keys of capacity or fewer and equal
-  //   rows would not run one CTA an SM; cp.async took the shorter of those splits before. Three
-  //   TMA stages / auto before (TMA at 2,048 keys, cp.async at 1,024): B64 32/8/64 L1024 36.2 /
-  //   38.8-39.1 (34.8), lengths from 256 27.0 / 29.8-30.0; L2048 66.25-66.26 / 68.75-68.84
-  //   (64.4); B128 L1024 66.5-67.0 / 70.1-70.3 (64.0), L2048 127.5-127.7 / 131.7 (121.6). With
-  //   fewer CTAs it gained on equal rows and lost on ragged ones, so five stay there: B48 L2048
-  //   (384 CTAs) 59.4-59.8 / 59.6-59.7 (49.6), lengths from 256 41.8-42.4 / 34.3-34.4; B40
-  //   L2048 (320 CTAs) 53.1-53.4 / 57.2-57.3 (42.2). And with longer splits: B32 L8192 (256
-  //   CTAs of 4,096 keys) 129.5-137.1 / 125.7-125.9, B16 L4096 41.8 / 36.9.
+  //   its first wave is nearly full), its splits hold 2,048 keys of capacity or fewer, the rows
+  //   are not dispatched longest first (Plan::longest_first) and equal rows would not run one
+  //   CTA an SM; cp.async took those splits before. Three TMA stages / auto before (cp.async):
+  //   B64 32/8/64 L1024 36.2 / 38.8-39.1 (34.8), lengths from 256 27.0 / 29.8-30.0; B128 L1024
+  //   66.5-67.0 / 70.1-70.3 (64.0), lengths from 256 47.0-47.1 / 48.6 (TMA 49.5-49.8); B100
+  //   L1024 55.6-56.2 / 57.5-57.8 (52.7), lengths from 256 41.1-41.2 / 42.7. Where the plan
+  //   ranks the rows (splits of 2,048 keys here), a ragged batch's ranks are dealt over the SMs
+  //   at the launch in one wave of four an SM, where in two waves of two the SMs that finish
+  //   first take the next ones: B64 L2048 lengths from 256 48.6-49.0 against 41.0-41.1 with
+  //   five stages (though equal rows gained, 66.25 against 68.75-68.84, and B128 L2048 127.5-127.7
+  //   against 131.7). It lost with fewer CTAs too, against five stages: B48 L2048 (384 CTAs)
+  //   lengths from 256 41.2-42.8 against 34.3-34.5, B40 (320) 30.9-31.3 against 29.0-29.2; and
+  //   with longer splits: B32 L8192 (256 CTAs of 4,096 keys) 129.5-137.1 against 125.7-125.9,
+  //   B16 L4096 41.8 against cp.async's 36.9.
   const int64_t split_keys = p.capacity / w.max_splits;
   if constexpr (D == 128) {
     const bool one_ahead = ctas > sms && split_keys >= 1024 && split_keys <= 4096 && !equal_rows_one_wave;
@@ -1086,7 +1092,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
       return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);
   }
   if constexpr (D == 64) {
-    const bool four_an_sm = ctas > 3 * sms && split_keys <= 2048 && !equal_rows_one_wave;
+    const bool four_an_sm = ctas > 3 * sms && split_keys <= 2048 && w.longest_first == 0 && !equal_rows_one_wave;
     if (tma && ((pinned == 0 && four_an_sm) || pinned == 8))
       return launch_decode_loader<T, D, kLoadTmaShallow>(p, w, fused, stream, maps);
   }
