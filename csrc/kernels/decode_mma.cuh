@@ -1092,7 +1092,8 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
       return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);
   }
   if constexpr (D == 64) {
-    const bool four_an_sm = ctas > 3 * sms && split_keys <= 2048 && w.longest_first == 0 && !equal_rows_one_wave;
+    const bool four_an_sm =
+        ctas > 3 * sms && split_keys <= 2048 && w.longest_first == 0 && !equal_rows_one_wave;
     if (tma && ((pinned == 0 && four_an_sm) || pinned == 8))
       return launch_decode_loader<T, D, kLoadTmaShallow>(p, w, fused, stream, maps);
   }
