@@ -1007,7 +1007,8 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   const int64_t ctas = slots * w.max_splits;  // slots: (row, kv head, head chunk)
   const int64_t sms = device_attribute<cudaDevAttrMultiProcessorCount>();
   const bool many_ctas = ctas >= sms;
-  const bool long_ranges = p.capacity / w.max_splits >= 2048;
+  const int64_t split_keys = p.capacity / w.max_splits;  // a split's keys of capacity
+  const bool long_ranges = split_keys >= 2048;
   // A batch of equal rows would take one wave of at most one CTA an SM (Plan::equal_rows_splits)
   // in a grid of more CTAs.
   const bool equal_rows_one_wave = w.equal_rows_splits > 0 && w.equal_rows_splits * slots <= sms;
@@ -1085,7 +1086,6 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   //   lengths from 256 41.2-42.8 against 34.3-34.5, B40 (320) 30.9-31.3 against 29.0-29.2; and
   //   with longer splits: B32 L8192 (256 CTAs of 4,096 keys) 129.5-137.1 against 125.7-125.9,
   //   B16 L4096 41.8 against cp.async's 36.9.
-  const int64_t split_keys = p.capacity / w.max_splits;
   if constexpr (D == 128) {
     const bool one_ahead = ctas > sms && split_keys >= 1024 && split_keys <= 4096 && !equal_rows_one_wave;
     if (tma && ((pinned == 0 && one_ahead) || pinned == 7))
@@ -1109,7 +1109,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // 32/8/64 L1024 6.48-6.51 / 6.78-6.79, B8 14/2/64 L4096 8.87-8.88 / 9.40-9.42; level at B1
   // 14/2/64 L4096 and L16384 and B2 L8192. With longer splits three stages left the stream short
   // of requests: B8 12/12/64 L1024 (96 CTAs of 1,024 keys) 11.17-11.22 / 10.90-10.92.
-  const bool short_ranges = p.capacity / w.max_splits <= 512;
+  const bool short_ranges = split_keys <= 512;
   if constexpr (D == 64) {
     if ((pinned == 0 && ctas <= sms && short_ranges) || pinned == 5)
       return launch_decode_loader<T, D, kLoadCpAsyncShallow>(p, w, fused, stream, maps);
