@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import re
 import statistics
 
 import torch
@@ -48,10 +50,15 @@ RECORD_WIDTH = 16  # kDecodeTimelineFields (common.cuh); the fields past FIELDS 
 MAX_RECORDS = 1 << 16
 
 
-def stamped_call(b, hq, hkv, d, length, calls):
-    """Records of one call in the middle of `calls` back to back in a graph, and the graph's
-    time per call (µs)."""
-    call, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE)
+def stamped_call(b, hq, hkv, d, length, calls, low=None):
+    """Records of one call in the middle of `calls` back to back in a graph (each with its
+    linear block index appended as a last column), and the graph's time per call (µs). `low`:
+    a ragged batch of lengths uniform in [low, length] (as ab_decode.py's shapes)."""
+    seqlens = None
+    if low is not None:
+        from common import ragged_lengths
+        seqlens = (ragged_lengths(b, length, low) - 1).to(torch.int32).cuda()
+    call, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE, seqlens)
     records = torch.zeros(MAX_RECORDS, RECORD_WIDTH, dtype=torch.int64, device="cuda")
     period = time_graph(call, n, calls_per_replay=max(calls, n))
     stream = torch.cuda.Stream()
@@ -72,6 +79,8 @@ def stamped_call(b, hq, hkv, d, length, calls):
         graph.replay()
     torch.cuda.synchronize()
     exit_ns = FIELDS.index("exit_ns")
+    index = torch.arange(MAX_RECORDS, device="cuda", dtype=torch.int64).unsqueeze(1)
+    records = torch.cat([records, index], dim=1)
     rec = records[(records[:, 0] != 0) & (records[:, exit_ns] != 0)].cpu()  # the CTAs that computed
     del graph, call
     torch.cuda.empty_cache()
@@ -128,6 +137,38 @@ def report(shape, rec, period_us, label=""):
     print(f"  tail: median exit to last {(max(exits) - statistics.median(exits)) / 1e3:.2f} us; "
           f"SMs idle at the end {statistics.mean(idle_end):.2f} us on average (max {max(idle_end):.2f})")
     spread(cols, ghz, t0)
+    placement(rec[:, -1].tolist(), sms, cols, ghz)
+
+
+def placement(index, sms, cols, ghz):
+    """Where the block dispatcher put the CTAs and what each SM streamed: the SMs that the
+    first 132 (and 264) CTAs in linear block order landed on, and per SM its tiles over the
+    time from its first CTA's Q staged to its last CTA's loop end (the SM's own rate)."""
+    order = sorted(range(len(index)), key=lambda i: index[i])
+    n_sm = len(set(sms))
+    for head in (n_sm, 2 * n_sm):
+        if len(order) >= head:
+            print(f"  the first {head} CTAs in block order sit on {len({sms[i] for i in order[:head]})} SMs")
+    tiles = [v & 0xFFFFFFFF for v in cols["sm_tiles"]]
+    start = [n0 + (q - e) / ghz for n0, e, q in zip(cols["entry_ns"], cols["entry"], cols["q_ready"])]
+    end = [n0 + (l - e) / ghz for n0, e, l in zip(cols["entry_ns"], cols["entry"], cols["loop_done"])]
+    per_sm = {}
+    for i, sm in enumerate(sms):
+        t, a, b, c = per_sm.get(sm, (0, float("inf"), 0.0, 0))
+        per_sm[sm] = (t + tiles[i], min(a, start[i]), max(b, end[i]), c + 1)
+    rows = sorted(per_sm.values(), key=lambda r: r[2])
+    t_first = min(r[1] for r in rows)
+    ends = [(r[2] - t_first) / 1e3 for r in rows]
+    rates = [r[0] / ((r[2] - r[1]) / 1e3) for r in rows if r[2] > r[1]]
+    print(f"  per SM: tiles {min(r[0] for r in rows)}-{max(r[0] for r in rows)}; loop end after the first "
+          f"start (us) min/median/max {min(ends):.2f} / {statistics.median(ends):.2f} / {max(ends):.2f}; "
+          f"SM tile rate {min(rates):.3f} / {statistics.median(rates):.3f} / {max(rates):.3f}")
+    by_count = {}
+    for t, a, b, c in rows:
+        by_count.setdefault(c, []).append(((b - t_first) / 1e3, t))
+    print("  per SM by its CTA count: " + "; ".join(
+        f"{c} CTAs: {len(v)} SMs, loop end median {statistics.median(x for x, _ in v):.2f} us, "
+        f"tiles median {statistics.median(t for _, t in v)}" for c, v in sorted(by_count.items())))
 
 
 def spread(cols, ghz, t0):
@@ -179,13 +220,16 @@ def spread(cols, ghz, t0):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, nargs="+", default=[0, 4, 6, 11], help="indices into the decode grid")
+    parser.add_argument("--rows", type=int, nargs="*", default=[0, 4, 6, 11], help="indices into the decode grid")
+    parser.add_argument("--shapes", nargs="*", default=[],
+                        help="more shapes, BxHqxHkvxDxL or BxHqxHkvxDxLrLOW (a ragged batch), as ab_decode.py's")
+    parser.add_argument("--dump", default=None, help="a directory to write each call's raw records to (.pt)")
     parser.add_argument("--calls", type=int, default=8, help="calls back to back in the graph")
     parser.add_argument("--pins", nargs="*", default=[],
                         help="each row again with switches pinned, name=value or several joined by '+' "
                              "(as ab_decode.py's --pins)")
     args = parser.parse_args()
-    from ab_decode import pin_parts, pinned_switches  # (imports gqa_torch, as this script does)
+    from ab_decode import parse_decode_shape, pin_parts, pinned_switches  # (imports gqa_torch, as this script does)
     for pin in args.pins:
         pin_parts(pin)  # (refuses a bad one before any timing)
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
@@ -194,16 +238,24 @@ def main():
                          "GQA_DECODE_TIMELINE=1 python3 setup.py build_ext --inplace")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for i in args.rows:
-        shape = DECODE_GRID[i]
+    shapes = [tuple(DECODE_GRID[i]) + (None,) for i in args.rows] + [parse_decode_shape(s) for s in args.shapes]
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+    for *shape, low in shapes:
+        shape = tuple(shape)
         for pin in [None] + args.pins:
-            progress(f"timeline: B={shape[0]} L={shape[4]}" + (f", {pin}" if pin else ""))
+            label = (f" lengths from {low}" if low else "") + (f" ({pin})" if pin else "")
+            progress(f"timeline: B={shape[0]} L={shape[4]}{label}")
             with pinned_switches(pin) if pin else contextlib.nullcontext():
-                rec, period = stamped_call(*shape, args.calls)
+                rec, period = stamped_call(*shape, args.calls, low)
             if len(rec) == 0:
                 print(f"## {shape}: no records (not the tensor-core decode kernel?)")
                 continue
-            report(shape, rec, period, f" ({pin})" if pin else "")
+            report(shape, rec, period, label)
+            if args.dump:
+                name = "x".join(map(str, shape)) + (f"r{low}" if low else "") + (f"_{pin}" if pin else "")
+                torch.save({"fields": FIELDS, "records": rec, "period_us": period},
+                           os.path.join(args.dump, re.sub(r"[^A-Za-z0-9_.+-]", "_", name) + ".pt"))
 
 
 if __name__ == "__main__":

@@ -953,7 +953,7 @@ def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits)
     every way, so that each merge finds its row's partials where the reordered CTAs left them.
     Every feature, both ops and layouts, head sizes 64, 128 and 256."""
     plan = gqa_torch._C._decode_plan(48, 32, 8, 2100, torch.cuda.get_device_properties(0).multi_processor_count)
-    assert plan["longest_first"] and plan["max_splits"] == 1, plan
+    assert plan["longest_first"] and (plan["ragged_splits"] or plan["max_splits"]) == 1, plan
     with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
         for i, feat in enumerate(FEATURE_CYCLE):
             rng = random.Random(100 + i)
@@ -1008,6 +1008,63 @@ def test_cuda_decode_equal_rows_take_fewer_splits(kind, dtype, schedule, feature
                              head_dim=[128, 64][i % 2], capacity=capacity, past_lengths=past, dtype=DTYPES[dtype],
                              layout=i % 2, **feat)
             _run_cuda_and_cpu(case)
+
+
+def _tail_shape(kind):
+    """(batch, q heads, kv heads, capacity, plan) of a decode call whose plan, on this GPU, gives
+    the last wave of a batch of equal rows more splits (Plan::equal_rows_tail_splits): one split
+    a row (2,100 keys of capacity, ranked), more (row, kv head) slots than two CTAs an SM hold,
+    and the last wave at most half full. "two": a last wave of more than a third of the slots
+    (two splits each; 45 rows of 8 kv heads on an H200, 96 slots past the first wave's 264);
+    "eight": a last wave of a few slots (35 rows, 16 slots past it: 8 splits each). Two query
+    heads a kv head."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wave = 2 * sms
+    batch = (wave + wave // 3) // 8 + 1 if kind == "two" else wave // 8 + 2
+    hq, hkv, capacity = 16, 8, 2100
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    tail = batch * hkv % wave
+    assert plan["longest_first"] and plan["ragged_splits"] == 1 and plan["equal_rows_splits"] == 1, plan
+    assert plan["equal_rows_tail_items"] == tail and plan["max_splits"] == plan["equal_rows_tail_splits"], plan
+    assert (plan["equal_rows_tail_splits"] == 2) == (kind == "two") and plan["equal_rows_tail_splits"] >= 2, plan
+    return batch, hq, hkv, capacity, plan
+
+
+@pytest.mark.parametrize("kind,dtype,schedule,merge,features", [
+    ("two", "bf16", "auto", "auto", slice(None)), ("eight", "bf16", "auto", "auto", slice(0, 6)),
+    ("two", "fp16", "auto", "arrival", slice(1, None, 2)), ("two", "bf16", "keep_splits", "auto", slice(2, 4)),
+    ("eight", "bf16", "auto", "kernel", slice(0, 2)), ("two", "bf16", "rows", "auto", slice(4, 6))])
+def test_cuda_decode_equal_rows_tail_splits(kind, dtype, schedule, merge, features):
+    """A batch of equal rows whose last wave takes more splits (_tail_shape: its CTAs take their
+    coordinates from a one-dimensional grid's linear index, the last wave's rows split in two or
+    eight and merged by the last to arrive), the same batch with one row shorter (ragged: one
+    split a row, ranked, the CTAs past them leave), and equal rows shorter than the capacity.
+    Pinned: the schedules "keep_splits" and "rows" and the merge kernel, which keep every batch to
+    one split a row (a three-dimensional grid). Every feature in bf16 under auto (a slice of them in
+    the other settings), both ops and layouts, head sizes 128 and 64, against the reference and
+    the CPU backend."""
+    batch, hq, hkv, capacity, _ = _tail_shape(kind)
+    with _decode_pinned(merge=merge, schedule=schedule):
+        for i, feat in list(enumerate(FEATURE_CYCLE))[features]:
+            past = [capacity - 60 if i % 3 != 2 else capacity // 3] * batch
+            if i % 3 == 1:
+                past[batch - 2] = capacity // 2  # one shorter row (in the last wave): the batch's rows differ
+            case = make_case(["inplace", "functional"][i % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                             head_dim=[128, 64][(i // 2) % 2], capacity=capacity, past_lengths=past,
+                             dtype=DTYPES[dtype], layout=i % 2, **feat)
+            _run_cuda_and_cpu(case)
+
+
+def test_cuda_decode_equal_rows_tail_bad_row():
+    """The bad-row checks where the batch ranks as equal rows whose last wave takes more splits
+    (_tail_shape "two"; the bad row's length past the capacity clamps to it, and the bad row is in
+    the last wave): no cache byte changes, every output is NaN, and the capacity flag is raised."""
+    batch, hq, hkv, capacity, _ = _tail_shape("two")
+    case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=64, capacity=capacity,
+                     past_lengths=[capacity - 1] * batch, strided=True, dtype=torch.bfloat16, device="cuda",
+                     poison_unused=False)
+    case.seqlens_k[batch - 1] = capacity  # total capacity + 1
+    _check_row_past_capacity_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
 
 
 def test_cuda_decode_equal_rows_bad_row():
@@ -1131,17 +1188,19 @@ def test_cuda_decode_nearly_equal_rows_two_waves(schedule):
             _run_cuda_and_cpu(case)
 
 
-@pytest.mark.parametrize("kind", ["one", "two_waves"])
+@pytest.mark.parametrize("kind", ["one", "two_waves", "tail"])
 def test_cuda_graph_decode_replays_between_equal_and_unequal_rows(kind):
     """One captured in-place decode step (RoPE) replayed while its batch turns from equal rows to
     unequal ones and back: at the shape "one", one split for equal rows and two for the others,
     merged by the last to arrive; at "two_waves", one wave of splits for equal and nearly equal
-    rows (lengths from half the capacity) and two for rows from empty. Every replay matches the
-    reference, output and caches, so the arrival counters are zero again whichever count the
-    replay before took."""
-    batch, hq, hkv, capacity, _ = _equal_rows_shape("one") if kind == "one" else _two_waves_shape()
+    rows (lengths from half the capacity) and two for rows from empty; at "tail" (_tail_shape
+    "two"), two splits for the last wave of equal rows and one split a row otherwise. Every replay
+    matches the reference, output and caches, so the arrival counters are zero again whichever
+    count the replay before took."""
+    shapes = {"one": lambda: _equal_rows_shape("one"), "two_waves": _two_waves_shape, "tail": lambda: _tail_shape("two")}
+    batch, hq, hkv, capacity, _ = shapes[kind]()
     case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
-                     past_lengths=[4000] * batch, rotary="half", max_positions=capacity + 5, dtype=torch.bfloat16,
+                     past_lengths=[capacity // 2] * batch, rotary="half", max_positions=capacity + 5, dtype=torch.bfloat16,
                      device="cuda", poison_unused=False)
     static = case.clone()
     graph, static_out = _capture(lambda: _inplace_step(static), warmups=2)

@@ -140,6 +140,35 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
         assert plan["longest_first"] and plan["max_splits"] == 2 * plan["equal_rows_splits"] <= 16, plan
 
 
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,tail_splits,tail_items", [
+    (48, 32, 8, 2048, 64, 2, 120),    # 384 slots: 264 in the first wave at two an SM, 120 after it
+    (48, 32, 8, 2048, 128, 2, 120),
+    (40, 32, 8, 2048, 64, 4, 56),     # 56 after it: four splits fill 224 of the 264 slots
+    (34, 32, 8, 4096, 128, 8, 8),     # 8 after it: 33 splits would fill them, at most 8
+    (34, 32, 8, 2100, 96, 8, 8),      # ... 262 keys a split
+    (34, 32, 8, 2047, 64, 0, 0),      # ... but 2,047 keys of capacity are not ranked
+    (100, 32, 8, 2048, 64, 8, 8),     # 800 slots: three whole waves and 8
+    (64, 32, 8, 2048, 64, 0, 0),      # 512 slots: the second wave 248, more than half full
+    (33, 32, 8, 2048, 64, 0, 0),      # 264 slots: exactly one wave
+    (48, 32, 8, 1024, 64, 0, 0),      # splits of 1,024 keys: not ranked
+    (48, 32, 8, 2048, 256, 0, 0),     # head size 256: not measured
+    (48, 32, 8, 8192, 128, 2, 120),   # one split a row of 8,192 keys: two of 4,096 in the last wave
+    (20, 256, 8, 8192, 128, 0, 0),    # 320 slots (two head chunks), but two splits a row already
+])
+def test_decode_plan_splits_the_last_wave_of_equal_rows(batch, hq, hkv, capacity, head_dim, tail_splits, tail_items):
+    """Where one split a row leaves a batch of equal rows' last wave at two CTAs an SM at most
+    half full, that wave's slots take as many splits as fill it (at most 8, of 256 keys or more):
+    max_splits is theirs, and equal rows and ragged batches keep one split a row; elsewhere none
+    of it."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
+    assert (plan["equal_rows_tail_splits"], plan["equal_rows_tail_items"]) == (tail_splits, tail_items), plan
+    if tail_splits:
+        assert plan["longest_first"] and plan["max_splits"] == tail_splits, plan
+        assert plan["equal_rows_splits"] == 1 and plan["ragged_splits"] == 1, plan
+    else:
+        assert plan["ragged_splits"] == 0, plan
+
+
 def test_decode_plan_refuses_bad_shapes():
     with pytest.raises(ValueError, match="expected positive sizes with kv_heads dividing q_heads"):
         _C._decode_plan(2, 6, 4, 100, 132)

@@ -117,6 +117,29 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
       plan.ragged_two_waves = true;
       plan.near_equal_sixteenths = p.capacity / plan.max_splits >= 2048 ? 11 : 8;
     }
+    // Equal rows in one split a row whose CTAs end in a partial wave at two an SM. The block
+    // dispatcher gives each SM two CTAs of the first wave, and they finish together; the next
+    // CTAs then go to the SMs that freed their slots first, two an SM, so a last wave of r CTAs
+    // ran on about r / 2 SMs while the rest idled (H200, forty-third round, decode timeline:
+    // B48 32/8/64 L2048, 384 CTAs, the second wave's 120 on 73 SMs, 47 of them with two; the
+    // SMs that ran two CTAs in all idled the last 25 of 60 us). So the rows of that last wave
+    // take as many splits each as fill the slots (at most 8, of 256 keys or more): r CTAs of
+    // one split become r x tail_splits CTAs of 1 / tail_splits the keys, and the wave takes that
+    // fraction of the time. A ragged batch keeps one split a row, dispatched longest first
+    // (its SMs free their slots at different times already).
+    const int64_t wave = 2 * sms;
+    const int64_t tail = slots % wave;
+    if (plan.longest_first && splits == 1 && plan.equal_rows_splits == 0 && p.head_dim <= 128 && slots > wave &&
+        tail > 0 && 2 * tail <= wave) {
+      int64_t tail_splits = wave / tail;
+      if (tail_splits > 8) tail_splits = 8;
+      while (tail_splits > 2 && p.capacity / tail_splits < 256) --tail_splits;
+      plan.max_splits = static_cast<int32_t>(tail_splits);
+      plan.equal_rows_splits = 1;
+      plan.ragged_splits = 1;
+      plan.equal_rows_tail_splits = static_cast<int32_t>(tail_splits);
+      plan.equal_rows_tail_items = static_cast<int32_t>(tail);
+    }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
     // query blocks, so few CTAs would each stream the whole cache while most SMs idle. Then

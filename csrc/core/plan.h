@@ -60,6 +60,18 @@ struct Plan {
   // one wave at two CTAs an SM, so that a ragged batch runs in two waves (plan.cpp; nearly equal
   // rows keep the one wave: near_equal_sixteenths 8, or 11 where the splits hold 2,048 keys).
   bool ragged_two_waves = false;
+  // Decode, with longest_first and one split a row: where a batch of equal rows would run more
+  // than one wave at two CTAs an SM and its last wave at most half full, the rows of that last
+  // wave (the last equal_rows_tail_items (row, kv head, head chunk) slots in row order) take
+  // equal_rows_tail_splits splits each, so that they fill the slots their SMs free together
+  // instead of running two an SM on the SMs that finished first (plan.cpp). max_splits is then
+  // equal_rows_tail_splits (the partials' room), equal_rows_splits and ragged_splits are 1, and
+  // the launch is a grid of just the working CTAs (decode_schedule.cuh). 0: none.
+  int32_t equal_rows_tail_splits = 0;
+  int32_t equal_rows_tail_items = 0;
+  // Decode: the splits a ragged batch's row takes where that is fewer than max_splits (the
+  // tail's room, above); 0: max_splits.
+  int32_t ragged_splits = 0;
   WorkspaceLayout workspace;
 };
 

@@ -47,6 +47,13 @@ struct Work {
   // at least this many sixteenths of the longest one's keys (Plan::near_equal_sixteenths;
   // decode_schedule.cuh); 0: only equal rows.
   int32_t near_equal_sixteenths = 0;
+  // Decode, with equal_rows_splits (Plan::equal_rows_tail_splits): the last
+  // equal_rows_tail_items (row, kv head x head chunk) slots of a batch of equal rows take
+  // equal_rows_tail_splits splits each, and a ragged batch's rows ragged_splits; the grid is
+  // one-dimensional, of just the working CTAs (decode_schedule.cuh). 0: none.
+  int32_t equal_rows_tail_splits = 0;
+  int32_t equal_rows_tail_items = 0;
+  int32_t ragged_splits = 0;
   // Decode: the per-stream arrival counters (Params::arrival_counters), one per (row, kv head,
   // head chunk), when the splits merge in the last CTA to arrive (decode_arrival.cuh); null
   // otherwise. They are zero between calls: the last CTA resets its counter.

@@ -21,10 +21,10 @@ namespace gqa {
 namespace cuda {
 namespace detail {
 
-// The counter of a (row, kv head x head chunk) slot: the decode grid is (split, kv head x head
-// chunk, row).
-__device__ __forceinline__ uint32_t* arrival_counter(const Work& w, int row, int kv_chunk) {
-  return w.arrivals + static_cast<int64_t>(row) * gridDim.y + kv_chunk;
+// The counter of a (row, kv head x head chunk) slot, of kv_chunks (kv heads x head chunks) a
+// row.
+__device__ __forceinline__ uint32_t* arrival_counter(const Work& w, int kv_chunks, int row, int kv_chunk) {
+  return w.arrivals + static_cast<int64_t>(row) * kv_chunks + kv_chunk;
 }
 
 // The count, as one acquire-release atomic at GPU scope. The counters pass messages (the

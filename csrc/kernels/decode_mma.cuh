@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     if (w.arrivals != nullptr && active > 1 && split < active) {
       const int64_t part = (static_cast<int64_t>(b) * p.q_heads + h0) * w.max_splits + split;
       for (int r = tid; r < nh; r += Cfg::kThreads) w.partial_lse[part + static_cast<int64_t>(r) * w.max_splits] = quiet_nan();
-      if (arrive_last(arrival_counter(w, b, kv_chunk), active)) {
+      if (arrive_last(arrival_counter(w, p.kv_heads * hchunks, b, kv_chunk), active)) {
         for (int i = tid; i < nh * D; i += Cfg::kThreads) {
           const int r = i / D;
           out_row[(h0 + r) * os.head + (i - r * D)] = from_f<T>(quiet_nan());
@@ -505,7 +505,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       w.partial_out[slot * D + (i - r * D)] = 0.f;
       if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
     }
-    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, b, kv_chunk), active))
+    if (w.arrivals != nullptr && arrive_last(arrival_counter(w, p.kv_heads * hchunks, b, kv_chunk), active))
       arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
     return;
   }
@@ -905,7 +905,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       if (d == 0) w.partial_lse[slot] = M + fast_log2(L);
     }
   }
-  if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, b, kv_chunk), active)) {
+  if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, p.kv_heads * hchunks, b, kv_chunk), active)) {
     arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
   decode_stamp(w, kDtExit);
@@ -941,7 +941,16 @@ extern std::atomic<int> g_decode_features;
 template <typename T, int D, int kLoader, bool kPlain>
 bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = decode_head_chunks(p.group_size);
-  const dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
+  dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
+  if (w.ragged_splits > 0) {
+    // Work::equal_rows_tail_splits: a one-dimensional grid of as many CTAs as the larger of a
+    // ragged batch's and a batch of equal rows' working CTAs (decode_schedule.cuh).
+    const int64_t items = static_cast<int64_t>(p.batch) * p.kv_heads * hchunks;
+    const int64_t ragged = items * w.ragged_splits;
+    const int64_t equal = (items - w.equal_rows_tail_items) * w.equal_rows_splits +
+                          static_cast<int64_t>(w.equal_rows_tail_items) * w.equal_rows_tail_splits;
+    grid = dim3(static_cast<unsigned>(std::max(ragged, equal)));
+  }
   const dim3 block(DecodeCfg<D, kLoader>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
   // Auto has the last split merge up to 16 splits: interleaved on an H200 (twenty-first round)
@@ -1004,10 +1013,13 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     tma = encode_cache_map(&maps.k, p.key_cache, p, 16, promotion) &&
           encode_cache_map(&maps.v, p.value_cache, p, 16, promotion);
   const int64_t slots = static_cast<int64_t>(p.batch) * p.kv_heads * decode_head_chunks(p.group_size);
-  const int64_t ctas = slots * w.max_splits;  // slots: (row, kv head, head chunk)
+  // The loaders below are chosen by the grid of a ragged batch's splits (with
+  // Work::equal_rows_tail_splits, only the last wave of equal rows takes more).
+  const int64_t row_splits = w.ragged_splits > 0 ? w.ragged_splits : w.max_splits;
+  const int64_t ctas = slots * row_splits;  // slots: (row, kv head, head chunk)
   const int64_t sms = device_attribute<cudaDevAttrMultiProcessorCount>();
   const bool many_ctas = ctas >= sms;
-  const int64_t split_keys = p.capacity / w.max_splits;  // a split's keys of capacity
+  const int64_t split_keys = p.capacity / row_splits;  // a split's keys of capacity
   const bool long_ranges = split_keys >= 2048;
   // A batch of equal rows would take one wave of at most one CTA an SM (Plan::equal_rows_splits)
   // in a grid of more CTAs.

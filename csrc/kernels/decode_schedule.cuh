@@ -89,7 +89,7 @@ __device__ RankedRow longest_first_row(const Params& p, const Work& w, int rank,
 struct DecodeCta {
   int split;
   int splits;    // the most splits the row takes (active_splits' bound): w.max_splits, or fewer
-  int kv_chunk;  // kv head x head chunk, as blockIdx.y
+  int kv_chunk;  // kv head x head chunk
   RankedRow ranked;
   bool leave;
 };
@@ -100,8 +100,23 @@ __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
     return DecodeCta{static_cast<int>(blockIdx.x), w.max_splits, static_cast<int>(blockIdx.y),
                      RankedRow{static_cast<int>(blockIdx.z), 0, 0, false, false}, false};
   __shared__ int row_seqlens[kThreads];
-  DecodeCta c{static_cast<int>(blockIdx.x), w.max_splits, static_cast<int>(blockIdx.y),
-              longest_first_row<kThreads>(p, w, blockIdx.z, row_seqlens), false};
+  const int kv_chunks = p.kv_heads * decode_head_chunks(p.group_size);
+  const int items = kv_chunks * p.batch;  // (kv head x head chunk, row)
+  const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  // A ragged batch's coordinates (split, kv chunk, rank): the grid's own, or with
+  // w.ragged_splits (a one-dimensional grid: Work::equal_rows_tail_splits) the same order from
+  // the linear block index, split fastest; the CTAs past them leave.
+  int split = blockIdx.x, kv_chunk = blockIdx.y, rank = blockIdx.z, splits = w.max_splits;
+  bool leave = false;
+  if (w.ragged_splits > 0) {
+    splits = w.ragged_splits;
+    const int item = linear / splits;
+    leave = item >= items;
+    split = linear - item * splits;
+    rank = leave ? p.batch - 1 : item / kv_chunks;  // (a leaving CTA ranks a row all the same)
+    kv_chunk = item - rank * kv_chunks;
+  }
+  DecodeCta c{split, splits, kv_chunk, longest_first_row<kThreads>(p, w, rank, row_seqlens), leave};
   // Nearly equal rows (Work::near_equal_sixteenths) take the equal rows' splits too. Where the
   // launch keeps to one CTA an SM (15/16) the plan's splits would run in two waves of the rows'
   // halves (H200, thirty-fifth round, B16 64/8, lengths from 8,000 to 8,192: 130.6 us, against
@@ -113,14 +128,24 @@ __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
     // In row order (which equal rows rank in; nearly equal ones stream in one wave, so their
     // order does not matter), the first equal_rows_splits x gridDim.y x rows CTAs in grid order
     // take (split, kv chunk, row), split fastest; the others leave.
-    const int splits = w.equal_rows_splits;
+    // With w.equal_rows_tail_splits the last equal_rows_tail_items slots take that many splits
+    // instead, in the same order after the others.
+    int splits = w.equal_rows_splits;
+    int first_item = 0;  // of the CTA's run: the slots of `splits` splits from here
+    int index = linear;  // the CTA's index in that run
+    const int whole = items - w.equal_rows_tail_items;
+    if (w.equal_rows_tail_splits > 0 && linear >= whole * splits) {
+      index = linear - whole * splits;
+      first_item = whole;
+      splits = w.equal_rows_tail_splits;
+    }
     c.splits = splits;
-    const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int item = splits == 1 ? linear : linear / splits;  // (kv head x head chunk, row)
-    c.leave = item >= static_cast<int>(gridDim.y * gridDim.z);
-    c.split = linear - item * splits;
-    c.ranked.row = item / gridDim.y;
-    c.kv_chunk = item - c.ranked.row * gridDim.y;
+    const int run_item = splits == 1 ? index : index / splits;
+    const int item = first_item + run_item;  // (kv head x head chunk, row)
+    c.leave = item >= items;
+    c.split = index - run_item * splits;
+    c.ranked.row = item / kv_chunks;
+    c.kv_chunk = item - c.ranked.row * kv_chunks;
     c.ranked.seqlen = c.leave ? 0 : row_seqlens[c.ranked.row];
   }
   return c;

@@ -106,6 +106,20 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     // equal rows' splits there.)
     w.near_equal_sixteenths =
         w.equal_rows_splits > 0 && (w.one_cta_per_sm != 0 || !plan.one_cta_per_sm) ? plan.near_equal_sixteenths : 0;
+    // Plan::equal_rows_tail_splits: where the equal rows' splits merge in the launch (the
+    // decode kernel on the arrival counters, auto's merge at the tail's at most 8 splits;
+    // equal rows take the in-launch merge only). Else every batch takes the plan's own splits.
+    const bool tail = tc && plan.equal_rows_tail_splits > 0 && w.equal_rows_splits > 0 && schedule == 0 &&
+                      w.arrivals != nullptr && detail::g_decode_merge.load(std::memory_order_relaxed) != 1;
+    if (tail) {
+      w.equal_rows_tail_splits = plan.equal_rows_tail_splits;
+      w.equal_rows_tail_items = plan.equal_rows_tail_items;
+      w.ragged_splits = plan.ragged_splits;
+    } else if (plan.ragged_splits > 0) {
+      w.max_splits = plan.ragged_splits;  // (the workspace holds more)
+      if (w.equal_rows_splits >= w.max_splits) w.equal_rows_splits = 0;
+      if (w.max_splits <= 1) w.arrivals = nullptr;
+    }
     w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;
     // The prefetched lines must survive in L2 until the wait ends, while the kernel before
     // streams its own bytes. On an H200 (twenty-fifth round, the kernel before being the same

@@ -93,6 +93,9 @@ PYBIND11_MODULE(_C, m) {
     out["one_cta_per_sm"] = plan.one_cta_per_sm;
     out["near_equal_sixteenths"] = plan.near_equal_sixteenths;
     out["ragged_two_waves"] = plan.ragged_two_waves;
+    out["equal_rows_tail_splits"] = plan.equal_rows_tail_splits;
+    out["equal_rows_tail_items"] = plan.equal_rows_tail_items;
+    out["ragged_splits"] = plan.ragged_splits;
     return out;
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
         pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, pybind11::arg("four_warps_256") = true,
