@@ -742,13 +742,16 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("batch,hq,hkv,capacity,rows,loader", [
-    (16, 32, 8, 4096, "equal", "auto"), (16, 32, 8, 4096, "ragged", "auto"), (64, 32, 8, 2048, "equal", "auto"),
-    (4, 32, 8, 1024, "equal", "auto"), (1, 14, 2, 1024, "equal", "auto"), (1, 14, 2, 32768, "equal", "auto"),
-    (8, 12, 12, 1024, "ragged", "auto"), (16, 32, 8, 4096, "equal", "regs_k"), (1, 14, 2, 1024, "equal", "cp_async"),
-    (64, 32, 8, 2048, "equal", "cp_async_shallow"), (72, 32, 8, 1024, "ragged", "auto"), (34, 32, 8, 4096, "equal", "auto"),
-    (34, 32, 8, 2048, "equal", "tma"), (16, 32, 8, 4096, "equal", "tma_shallow"), (48, 32, 8, 2048, "ragged", "auto")])
-def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader):
+@pytest.mark.parametrize("batch,hq,hkv,capacity,rows,loader,code", [
+    (16, 32, 8, 4096, "equal", "auto", 0), (16, 32, 8, 4096, "ragged", "auto", 0),
+    (64, 32, 8, 2048, "equal", "auto", 1), (4, 32, 8, 1024, "equal", "auto", 4), (1, 14, 2, 1024, "equal", "auto", 4),
+    (1, 14, 2, 32768, "equal", "auto", 4), (8, 12, 12, 1024, "ragged", "auto", 0),
+    (16, 32, 8, 4096, "equal", "regs_k", 2), (1, 14, 2, 1024, "equal", "cp_async", 0),
+    (64, 32, 8, 2048, "equal", "cp_async_shallow", 4), (72, 32, 8, 1024, "ragged", "auto", 7),
+    (34, 32, 8, 4096, "equal", "auto", 1), (34, 32, 8, 2048, "equal", "tma", 1),
+    (16, 32, 8, 4096, "equal", "tma_shallow", 7), (48, 32, 8, 2048, "ragged", "auto", 1),
+    (48, 32, 8, 2048, "equal", "auto", 1)])
+def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader, code):
     """At head size 64 auto loads K and V by TMA in three stages (loader code 7, four CTAs an
     SM) where more than three CTAs an SM stream splits of 2,048 keys of capacity or fewer in
     row order (on an H200: B72 32/8 with 1,024 keys, one split a row) and in five (code 1)
@@ -756,30 +759,31 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     split), fewer CTAs short ones (B48 with 2,048 keys, 384 CTAs) or the plan ranks the rows
     longest first (B64 with 2,048 keys), unless a batch of equal rows would run one CTA an SM
     (B16 32/8 with 4,096 keys: 2 splits, of which equal rows take 1; equal and ragged rows
-    alike, as the plan fixes the kernel), and by cp.async (code 0) there; by cp.async with three stages (code 4) where the
+    alike, as the plan fixes the kernel), and by cp.async (code 0) there. The splits that the
+    last wave of equal rows takes (Plan::equal_rows_tail_splits: B34 and B48, one split a row)
+    leave the choice to the rows' one split. By cp.async with three stages (code 4) where the
     grid is one wave at one CTA an SM and its splits hold 512 keys of capacity or fewer (B4 32/8
     L1024, B1 14/2 L1024 and L32768), with five (code 0) where they hold more (B8 12/12 L1024,
     one split of 1,024 keys). K into registers (code 2, auto's choice at B64 and B16 until the
     fortieth round), five-stage cp.async at B1 14/2, three-stage cp.async with many CTAs, five
-    TMA stages at B34 L2048 and three at B16 run under their pins. Each matches the reference
-    and the CPU backend, in place, without features and with RoPE, softcap, a sink and ragged
-    rows."""
+    TMA stages at B34 L2048 and three at B16 run under their pins. The expected codes are listed
+    per case (an H200's 132 SMs), and the plan premises they rest on are asserted. Each matches
+    the reference and the CPU backend, in place, without features and with RoPE, softcap, a sink
+    and ragged rows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
-    pasts = _loader_test_pasts(rows, batch, capacity)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if sms != 132 and loader == "auto":
+        pytest.skip(f"auto's expected loaders are listed for 132 SMs; this GPU has {sms}")
+    pasts = _loader_test_pasts(rows, batch, capacity)
     plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=64)
-    slots = batch * hkv
-    ctas, split_keys = plan["max_splits"] * slots, capacity // plan["max_splits"]
-    many_long = ctas >= sms and split_keys >= 2048
-    four_an_sm = ctas > 3 * sms and split_keys <= 2048 and not plan["longest_first"]
-    equal_rows_one_wave = 0 < plan["equal_rows_splits"] * slots <= sms
-    one_wave_short = ctas <= sms and split_keys <= 512
-    code = {"regs_k": 2, "cp_async": 0, "cp_async_shallow": 4, "tma": 1, "tma_shallow": 7}.get(loader)
-    if code is None and four_an_sm and not equal_rows_one_wave:
-        code = 7
-    if code is None:
-        code = 1 if many_long and not equal_rows_one_wave else (4 if one_wave_short else 0)
+    row_splits = plan["ragged_splits"] or plan["max_splits"]
+    premises = {  # (row splits, longest first, equal rows' splits, the last wave's splits)
+        (16, 4096): (2, True, 1, 0), (64, 2048): (1, True, 0, 0), (72, 1024): (1, False, 0, 0),
+        (34, 4096): (1, True, 1, 8), (48, 2048): (1, True, 1, 2)}
+    if (batch, capacity) in premises:
+        got = (row_splits, plan["longest_first"], plan["equal_rows_splits"], plan["equal_rows_tail_splits"])
+        assert got == premises[(batch, capacity)], plan
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(64, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])

@@ -126,7 +126,15 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // take as many splits each as fill the slots (at most 8, of 256 keys or more): r CTAs of
     // one split become r x tail_splits CTAs of 1 / tail_splits the keys, and the wave takes that
     // fraction of the time. A ragged batch keeps one split a row, dispatched longest first
-    // (its SMs free their slots at different times already).
+    // (its SMs free their slots at different times already). H200, forty-third round,
+    // interleaved, us, tail splits / one split a row (SDPA cuDNN): B48 32/8/64 L2048 54.4 / 59.2
+    // (49.5), B40 46.6 / 57.1 (42.2), B34 41.4 / 53.4 (36.9), B100 107.6 / 112.7 (99.6), B44
+    // L4096 90.7 / 110.6 (85.4); B48 32/8/128 L2048 97.5 / 99.5 (98.2), L8192 363.7 / 381.3
+    // (374.8), B36 L8192 272.0 / 308.3 (318.8), B40 L4096 152.4 / 178.5 (171.9), B96 28/4/128
+    // L4096 184.4 / 191.7 (189.9); B12 32/32 L4096 at head size 128 180.6 / 189.1 (186.8), 96
+    // 149.9 / 174.7 (160.2), B12 32/32/80 L2048 67.7 / 77.9 (72.7). A ragged batch pays for the
+    // grid's leaving CTAs: lengths from 256, B48 32/8/64 L2048 34.6 / 34.4, B40 29.05 / 28.9,
+    // B44 L4096 55.7 / 55.4, B12 32/32/128 L4096 102.6 / 102.3.
     const int64_t wave = 2 * sms;
     const int64_t tail = slots % wave;
     if (plan.longest_first && splits == 1 && plan.equal_rows_splits == 0 && p.head_dim <= 128 && slots > wave &&
