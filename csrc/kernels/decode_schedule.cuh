@@ -17,7 +17,9 @@
 // CTAs and others none: H200, thirty-first round, B16 64/8 L8192 131.7-132.3 us against 128.2
 // with the plan's 2 splits and 124.1 with one split a row in a grid of one.) So does a batch of
 // nearly equal rows, where the plan says so (Work::near_equal_sixteenths: the shortest row sees
-// at least that many sixteenths of the longest one's keys).
+// at least that many sixteenths of the longest one's keys). Where the equal rows' last wave
+// would be at most half full, its rows take more splits (Work::equal_rows_tail_splits: the grid
+// is then one-dimensional, and a ragged batch takes Work::ragged_splits in the same order).
 //
 // Every CTA reads the whole batch's seqlens_k to rank them. They are read before the PDL wait
 // (pdl_early_read: no kernel of this extension writes seqlens_k).
@@ -126,7 +128,7 @@ __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
   const bool equal = c.ranked.equal_rows || c.ranked.nearly_equal_rows;
   if (w.equal_rows_splits > 0 && equal) {
     // In row order (which equal rows rank in; nearly equal ones stream in one wave, so their
-    // order does not matter), the first equal_rows_splits x gridDim.y x rows CTAs in grid order
+    // order does not matter), the first equal_rows_splits x kv chunks x rows CTAs in grid order
     // take (split, kv chunk, row), split fastest; the others leave.
     // With w.equal_rows_tail_splits the last equal_rows_tail_items slots take that many splits
     // instead, in the same order after the others.
