@@ -43,7 +43,7 @@ import torch
 
 import gqa_torch
 from bench_decode import DECODE_GRID, DTYPE
-from common import inplace_decode_step, progress, time_graph
+from common import inplace_decode_step, progress, ragged_lengths, time_graph
 
 FIELDS = ("entry_ns", "entry", "waited", "checked", "q_ready", "loop_done", "exit", "exit_ns", "sm_tiles", "cta")
 RECORD_WIDTH = 16  # kDecodeTimelineFields (common.cuh); the fields past FIELDS are unused
@@ -56,7 +56,6 @@ def stamped_call(b, hq, hkv, d, length, calls, low=None):
     a ragged batch of lengths uniform in [low, length] (as ab_decode.py's shapes)."""
     seqlens = None
     if low is not None:
-        from common import ragged_lengths
         seqlens = (ragged_lengths(b, length, low) - 1).to(torch.int32).cuda()
     call, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE, seqlens)
     records = torch.zeros(MAX_RECORDS, RECORD_WIDTH, dtype=torch.int64, device="cuda")
@@ -142,7 +141,7 @@ def report(shape, rec, period_us, label=""):
 
 def placement(index, sms, cols, ghz):
     """Where the block dispatcher put the CTAs and what each SM streamed: the SMs that the
-    first 132 (and 264) CTAs in linear block order landed on, and per SM its tiles over the
+    first n (and 2 n) CTAs in linear block order landed on, n the SMs that ran any, and per SM its tiles over the
     time from its first CTA's Q staged to its last CTA's loop end (the SM's own rate)."""
     order = sorted(range(len(index)), key=lambda i: index[i])
     n_sm = len(set(sms))

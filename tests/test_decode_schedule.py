@@ -154,6 +154,11 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
     (48, 32, 8, 2048, 256, 0, 0),     # head size 256: not measured
     (48, 32, 8, 8192, 128, 2, 120),   # one split a row of 8,192 keys: two of 4,096 in the last wave
     (20, 256, 8, 8192, 128, 0, 0),    # 320 slots (two head chunks), but two splits a row already
+    (64, 32, 8, 8192, 128, 0, 0),     # the benchmark grid's B64 and B16 rows: none takes it
+    (64, 32, 8, 32768, 128, 0, 0),
+    (16, 64, 8, 8192, 128, 0, 0),
+    (32, 28, 4, 4096, 128, 0, 0),     # model shapes of ab_decode.py --models with more CTAs than SMs
+    (64, 8, 4, 2048, 256, 0, 0),
 ])
 def test_decode_plan_splits_the_last_wave_of_equal_rows(batch, hq, hkv, capacity, head_dim, tail_splits, tail_items):
     """Where one split a row leaves a batch of equal rows' last wave at two CTAs an SM at most
