@@ -634,7 +634,7 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
 
 
 @pytest.fixture(params=["cp_async", "cp_async_shallow", "cp_async_one_ahead", "tma", "tma_one_ahead", "tma_shallow",
-                        "regs_k"])
+                        "tma_wide", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
     9.0a build TMA at head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs
@@ -645,8 +645,9 @@ def decode_loader(request):
     grid is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is
     one wave at two CTAs an SM), so that every loader stays tested there. "cp_async_shallow"
     (three stages) exists at head size 64, "cp_async_one_ahead" at 80 and 96, "tma_one_ahead" at
-    128, "tma_shallow" (three stages) at 64 and "regs_k" (K into registers, V by TMA) at 64 and
-    128; elsewhere the first two run as "cp_async", the next two as "tma" and the last as auto. The four-warp layout's
+    128, "tma_shallow" (three stages) and "tma_wide" (32 keys a warp a stage) at 64 and "regs_k"
+    (K into registers, V by TMA) at 64 and 128; elsewhere the first two run as "cp_async", the
+    next three as "tma" and the last as auto. The four-warp layout's
     own pin, "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
     tma = request.param not in ("cp_async", "cp_async_shallow", "cp_async_one_ahead")
     if tma and torch.cuda.get_device_capability()[0] != 9:
@@ -743,33 +744,30 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("batch,hq,hkv,capacity,rows,loader,code", [
-    (16, 32, 8, 4096, "equal", "auto", 0), (16, 32, 8, 4096, "ragged", "auto", 0),
-    (64, 32, 8, 2048, "equal", "auto", 1), (4, 32, 8, 1024, "equal", "auto", 4), (1, 14, 2, 1024, "equal", "auto", 4),
-    (1, 14, 2, 32768, "equal", "auto", 4), (8, 12, 12, 1024, "ragged", "auto", 0),
+    (16, 32, 8, 4096, "equal", "auto", 8), (16, 32, 8, 4096, "ragged", "auto", 8),
+    (64, 32, 8, 2048, "equal", "auto", 8), (4, 32, 8, 1024, "equal", "auto", 4), (1, 14, 2, 1024, "equal", "auto", 4),
+    (1, 14, 2, 32768, "equal", "auto", 4), (1, 32, 8, 8192, "equal", "auto", 8), (8, 12, 12, 1024, "ragged", "auto", 8),
     (16, 32, 8, 4096, "equal", "regs_k", 2), (1, 14, 2, 1024, "equal", "cp_async", 0),
     (64, 32, 8, 2048, "equal", "cp_async_shallow", 4), (72, 32, 8, 1024, "ragged", "auto", 7),
-    (34, 32, 8, 4096, "equal", "auto", 1), (34, 32, 8, 2048, "equal", "tma", 1),
-    (16, 32, 8, 4096, "equal", "tma_shallow", 7), (48, 32, 8, 2048, "ragged", "auto", 1),
-    (48, 32, 8, 2048, "equal", "auto", 1)])
+    (34, 32, 8, 4096, "equal", "auto", 8), (34, 32, 8, 2048, "equal", "tma", 1),
+    (16, 32, 8, 4096, "equal", "tma_shallow", 7), (48, 32, 8, 2048, "ragged", "auto", 8),
+    (48, 32, 8, 2048, "equal", "auto", 8), (1, 14, 2, 1024, "equal", "tma_wide", 8)])
 def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows, loader, code):
-    """At head size 64 auto loads K and V by TMA in three stages (loader code 7, four CTAs an
-    SM) where more than three CTAs an SM stream splits of 2,048 keys of capacity or fewer in
-    row order (on an H200: B72 32/8 with 1,024 keys, one split a row) and in five (code 1)
-    where at least as many CTAs as SMs stream longer splits (B34 32/8 with 4,096 keys in one
-    split), fewer CTAs short ones (B48 with 2,048 keys, 384 CTAs) or the plan ranks the rows
-    longest first (B64 with 2,048 keys), unless a batch of equal rows would run one CTA an SM
-    (B16 32/8 with 4,096 keys: 2 splits, of which equal rows take 1; equal and ragged rows
-    alike, as the plan fixes the kernel), and by cp.async (code 0) there. The splits that the
-    last wave of equal rows takes (Plan::equal_rows_tail_splits: B34 and B48, one split a row)
-    leave the choice to the rows' one split. By cp.async with three stages (code 4) where the
-    grid is one wave at one CTA an SM and its splits hold 512 keys of capacity or fewer (B4 32/8
-    L1024, B1 14/2 L1024 and L32768), with five (code 0) where they hold more (B8 12/12 L1024,
-    one split of 1,024 keys). K into registers (code 2, auto's choice at B64 and B16 until the
-    fortieth round), five-stage cp.async at B1 14/2, three-stage cp.async with many CTAs, five
-    TMA stages at B34 L2048 and three at B16 run under their pins. The expected codes are listed
-    per case (an H200's 132 SMs), and the plan premises they rest on are asserted. Each matches
-    the reference and the CPU backend, in place, without features and with RoPE, softcap, a sink
-    and ragged rows."""
+    """At head size 64 auto loads K and V by TMA in three stages of 16 keys a warp (loader code
+    7, four CTAs an SM) where more than three CTAs an SM stream splits of 2,048 keys of capacity
+    or fewer in row order (on an H200: B72 32/8 with 1,024 keys, one split a row); elsewhere by
+    TMA in three stages of 32 keys a warp (code 8) where the splits hold 512 keys of capacity or
+    more, whatever the grid (B16 32/8 with 4,096 keys in 2 splits, of which equal rows take 1,
+    equal and ragged rows alike, as the plan fixes the kernel; B64 with 2,048 keys, ranked
+    longest first; B1 32/8 with 8,192 keys in 16 splits; B8 12/12 with 1,024 keys in one; B34
+    and B48, whose last wave of equal rows takes more splits, Plan::equal_rows_tail_splits, by
+    the rows' one split); and by cp.async in three stages (code 4) where the splits are shorter
+    (B4 32/8 L1024, B1 14/2 L1024 and L32768: 496 keys). K into registers (code 2), five-stage
+    cp.async (code 0) at B1 14/2, three-stage cp.async with many CTAs, five TMA stages of 16
+    keys (code 1) at B34 L2048, three at B16 and 32-key slices at B1 14/2 run under their pins.
+    The expected codes are listed per case (an H200's 132 SMs), and the plan premises they rest
+    on are asserted. Each matches the reference and the CPU backend, in place, without features
+    and with RoPE, softcap, a sink and ragged rows."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -780,7 +778,8 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     row_splits = plan["ragged_splits"] or plan["max_splits"]
     premises = {  # (row splits, longest first, equal rows' splits, the last wave's splits)
         (16, 4096): (2, True, 1, 0), (64, 2048): (1, True, 0, 0), (72, 1024): (1, False, 0, 0),
-        (34, 4096): (1, True, 1, 8), (48, 2048): (1, True, 1, 2)}
+        (34, 4096): (1, True, 1, 8), (48, 2048): (1, True, 1, 2), (4, 1024): (4, False, 0, 0),
+        (1, 8192): (16, False, 0, 0), (8, 1024): (1, False, 0, 0)}
     if (batch, capacity) in premises:
         got = (row_splits, plan["longest_first"], plan["equal_rows_splits"], plan["equal_rows_tail_splits"])
         assert got == premises[(batch, capacity)], plan

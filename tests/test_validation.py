@@ -620,7 +620,7 @@ def test_tuning_switches_name_what_they_expect():
     named_switches = [
         (gqa_torch._C._set_decode_loader, "decode loader", (
             "auto, cp_async, tma, regs_k, tma_four_warps, cp_async_shallow, cp_async_one_ahead, tma_one_ahead, "
-            "tma_shallow"), "nope",
+            "tma_shallow, tma_wide"), "nope",
          "tma"),
         (gqa_torch._C._set_decode_merge, "decode merge", "auto, kernel, arrival", "cluster", "kernel"),
         (gqa_torch._C._set_decode_schedule, "decode schedule",

@@ -5,10 +5,10 @@
 // (all G of them when G <= 16), so each K/V byte is read from memory once. The CTA takes keys
 // [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
 // row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
-// own 16 keys, on sm90 at head sizes 64/128/256, with K instead loaded straight into registers
-// at 64/128 when two CTAs an SM or more stream; by cp.async, the whole CTA, elsewhere: auto's
-// choices are in launch_decode_mma_d), and each warp multiplies its 16 keys of a tile with
-// mma.sync m16n8k16:
+// own 16 keys, or 32 under kLoadTmaWide, on sm90 at head sizes 64/128/256, with K instead
+// loaded straight into registers at 64/128 under a pin; by cp.async, the whole CTA, elsewhere: auto's
+// choices are in launch_decode_mma_d), and each warp multiplies its 16 keys of a tile (32:
+// two k-steps of P V) with mma.sync m16n8k16:
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
@@ -25,6 +25,7 @@
 #include "common.cuh"
 #include "decode_arrival.cuh"
 #include "decode_schedule.cuh"
+#include "launch.h"
 #include "tma.cuh"
 
 namespace gqa {
@@ -45,7 +46,10 @@ namespace detail {
 // an SM; kLoadTmaOneAhead the same for the TMA loader at head size 128, for grids of more CTAs
 // than SMs with splits of 1,024-4,096 keys; and kLoadTmaShallow the TMA loader with three
 // stages instead of five at head size 64, so that four CTAs share an SM, for grids of more than
-// three CTAs an SM with short splits in row order (launch_decode_mma_d).
+// three CTAs an SM with short splits in row order (launch_decode_mma_d); kLoadTmaWide the TMA
+// loader at head size 64 with 32 keys a warp a stage instead of 16, in three stages of twice the
+// bytes (the same bytes in flight), so that each warp's online-softmax step (the row maxima, the
+// rescale of O, the barrier wait) serves twice the keys.
 enum DecodeLoader : int {
   kLoadCpAsync = 0,
   kLoadTma = 1,
@@ -54,7 +58,8 @@ enum DecodeLoader : int {
   kLoadCpAsyncShallow = 4,
   kLoadCpAsyncOneAhead = 5,
   kLoadTmaOneAhead = 6,
-  kLoadTmaShallow = 7
+  kLoadTmaShallow = 7,
+  kLoadTmaWide = 8
 };
 
 // Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
@@ -70,13 +75,15 @@ enum DecodeLoader : int {
 template <int D, int kLoader = kLoadCpAsync>
 struct DecodeCfg {
   static constexpr bool kTma = kLoader == kLoadTma || kLoader == kLoadTmaV || kLoader == kLoadTmaFourWarps ||
-                               kLoader == kLoadTmaOneAhead || kLoader == kLoadTmaShallow;
+                               kLoader == kLoadTmaOneAhead || kLoader == kLoadTmaShallow || kLoader == kLoadTmaWide;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
+  static constexpr bool kWide = kLoader == kLoadTmaWide;
   static constexpr int kWarps = D >= 256 && kLoader != kLoadTmaFourWarps ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kTile = 16 * kWarps;  // keys per pipeline stage: 16 per warp
+  static constexpr int kSliceKeys = kWide ? 32 : 16;  // keys a warp takes from each stage
+  static constexpr int kTile = kSliceKeys * kWarps;  // keys per pipeline stage
   static constexpr int kStride = D + 8;  // smem row pitch in elements: +16 B makes ldmatrix conflict-free
-  static constexpr size_t kSliceBytes = 16 * D * 2;  // kTma: one warp's 16 keys of K (or V)
+  static constexpr size_t kSliceBytes = kSliceKeys * D * 2;  // kTma: one warp's keys of K (or V)
   static constexpr size_t kStageBytes =
       kTma ? (kRegK ? 1 : 2) * kWarps * kSliceBytes : 2 * kTile * kStride * 2;  // K (unless kRegK) and V
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
@@ -84,8 +91,8 @@ struct DecodeCfg {
   // SM to itself, where fewer tiles a CTA in flight read faster; kLoadTmaShallow: three TMA
   // stages at 64 (about 51 KB), so that four CTAs share an SM (launch_decode_mma_d).
   static constexpr bool kShallow = kLoader == kLoadCpAsyncShallow || kLoader == kLoadTmaShallow;
-  static constexpr int kStages = kRegK      ? (D <= 64 ? 8 : 5)
-                                 : kShallow ? 3
+  static constexpr int kStages = kRegK                  ? (D <= 64 ? 8 : 5)
+                                 : (kShallow || kWide) ? 3
                                             : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
   // Tiles in flight ahead of the one being computed. kLoadCpAsyncOneAhead and kLoadTmaOneAhead:
   // one, in the ring (and the shared memory, so as many CTAs an SM) of kLoadCpAsync and kLoadTma.
@@ -102,6 +109,7 @@ struct DecodeCfg {
   static_assert(!kTma || D % 64 == 0, "the TMA boxes are 64 columns wide");
   static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
+  static_assert(!kWide || D == 64, "32-key slices: head size 64 only (the stages' bytes)");
   // The stages, once drained, hold the warps' combine buffer [kWarps][16][D] (floats).
   static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "the combine buffer must fit in the stages");
 };
@@ -160,7 +168,7 @@ __device__ __forceinline__ void l2_prefetch_rows(const T* src, int rows, int64_t
   for (int r = thread; r < rows; r += threads) l2_prefetch_bulk(src + r * stride, kRowBytes);
 }
 
-// kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 keys of every tile as TMA
+// kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 (or 32) keys of every tile as TMA
 // boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
 // (kRegK: V only; each lane loads its part of K into registers, see load_k); otherwise the CTA
 // copies whole tiles with cp.async between two barriers a tile.
@@ -375,17 +383,18 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
   };
 
-  // kTma: lane 0 of each warp loads its 16 keys of K and V, D / 64 boxes each (rows past the
+  // kTma: lane 0 of each warp loads its slice's keys of K and V, D / 64 boxes each (rows past the
   // capacity are zero-filled; rows past the split's end but inside the capacity are loaded
   // and, for V, zeroed after the wait: P is 0 there, and 0 times a stale NaN would be NaN).
-  const int kw = warp * 16;  // this warp's keys within a tile
-  auto slice_keys = [&](int tile) { return min(16, k1 - (k0 + tile * kTile + kw)); };  // <= 0: none
-  // 16-byte chunk c of row r (0-15) of this warp's K (or V) slice in a stage.
+  constexpr int kSliceKeys = Cfg::kSliceKeys;
+  const int kw = warp * kSliceKeys;  // this warp's keys within a tile
+  auto slice_keys = [&](int tile) { return min(kSliceKeys, k1 - (k0 + tile * kTile + kw)); };  // <= 0: none
+  // 16-byte chunk c of row r (below kSliceKeys) of this warp's K (or V) slice in a stage.
   auto slice_chunk = [&](int stage, bool v, int r, int c) -> T* {
     if constexpr (kTma) {
       uint8_t* slice = stages + stage * Cfg::kStageBytes + (v && !kRegK ? Cfg::kWarps : 0) * Cfg::kSliceBytes +
                        warp * Cfg::kSliceBytes;
-      return reinterpret_cast<T*>(slice + (c >> 3) * 2048 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+      return reinterpret_cast<T*>(slice + (c >> 3) * (kSliceKeys * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
     } else {
       return kv_s + stage * 2 * kTile * kStride + (v ? kTile * kStride : 0) + (kw + r) * kStride + c * 8;
     }
@@ -663,8 +672,8 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       const int valid = slice_keys(tile);
       if (valid <= 0) return;  // this warp's keys are all past the end
       mbarrier_wait(slice_bars + 8u * stage, (tile / kStages) & 1);
-      if (valid < 16) {
-        for (int i = lane; i < (16 - valid) * Cfg::kChunks; i += 32) {
+      if (valid < kSliceKeys) {
+        for (int i = lane; i < (kSliceKeys - valid) * Cfg::kChunks; i += 32) {
           const int r = valid + i / Cfg::kChunks;
           *reinterpret_cast<uint4*>(slice_chunk(stage, true, r, i % Cfg::kChunks)) = make_uint4(0u, 0u, 0u, 0u);
         }
@@ -685,8 +694,8 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     const int t0 = k0 + tile * kTile;
     if (t0 + kw >= k1) return;  // this warp's keys are all past the end
     // The new key replaces the cache row it was copied from (the row this launch writes):
-    // only the warp whose 16 keys hold it reads it.
-    if (owner && g.past >= t0 + kw && g.past < t0 + kw + 16) {
+    // only the warp whose keys hold it reads it.
+    if (owner && g.past >= t0 + kw && g.past < t0 + kw + kSliceKeys) {
       const int r = g.past - t0 - kw;
       if constexpr (kRegK) {
         if ((lane >> 2) == (r & 7)) {  // the four lanes that hold key r (load_k's order)
@@ -705,7 +714,11 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       __syncwarp();
     }
 
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // The scores of this warp's keys, in 8-key n-tiles (two a 16-key half of the slice).
+    constexpr int kN = kSliceKeys / 8;
+    float sc[kN][4];
+#pragma unroll
+    for (int nn = 0; nn < kN; ++nn) sc[nn][0] = sc[nn][1] = sc[nn][2] = sc[nn][3] = 0.f;
     if constexpr (kRegK) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -729,7 +742,9 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     // 4.25-4.28 against 4.23-4.24, B1 32/8/96 L1024 5.31-5.32 against 5.19-5.22), so they keep
     // one chain.
     constexpr bool kTwoChains = D >= 128;
-    float sc_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float sc_odd[kN][4];
+#pragma unroll
+    for (int nn = 0; nn < kN; ++nn) sc_odd[nn][0] = sc_odd[nn][1] = sc_odd[nn][2] = sc_odd[nn][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < (kRegK ? 0 : D / 16); ++kk) {
       uint32_t a[4];
@@ -738,25 +753,28 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       } else {
         ldmatrix_x4(a, q_s + (lane & 15) * kStride + kk * 16 + (lane >> 4) * 8);
       }
-      uint32_t bk[4];
-      ldmatrix_x4(bk, slice_chunk(stage, false, (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
-      float (&acc)[2][4] = kTwoChains && (kk & 1) ? sc_odd : sc;
-      mma16816<T>(acc[0], a, bk[0], bk[1]);
-      mma16816<T>(acc[1], a, bk[2], bk[3]);
+      float (&acc)[kN][4] = kTwoChains && (kk & 1) ? sc_odd : sc;
+#pragma unroll
+      for (int half = 0; half < kN / 2; ++half) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, slice_chunk(stage, false, half * 16 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
+        mma16816<T>(acc[2 * half], a, bk[0], bk[1]);
+        mma16816<T>(acc[2 * half + 1], a, bk[2], bk[3]);
+      }
     }
     if constexpr (kTwoChains && !kRegK) {
 #pragma unroll
-      for (int nn = 0; nn < 2; ++nn) {
+      for (int nn = 0; nn < kN; ++nn) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[nn][e] += sc_odd[nn][e];
       }
     }
 
-    // Scores -> log2 domain, masked past k1; per-row (head) max over this warp's 16 keys.
-    const bool need_mask = t0 + kw + 16 > k1;
+    // Scores -> log2 domain, masked past k1; per-row (head) max over this warp's keys.
+    const bool need_mask = t0 + kw + kSliceKeys > k1;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nn = 0; nn < 2; ++nn) {
+    for (int nn = 0; nn < kN; ++nn) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = sc[nn][e];
@@ -785,7 +803,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
     float rs[2] = {0.f, 0.f};
 #pragma unroll
-    for (int nn = 0; nn < 2; ++nn) {
+    for (int nn = 0; nn < kN; ++nn) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float pe = fast_exp2(sc[nn][e] - mu[e >> 1]);
@@ -805,17 +823,22 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
         o[i][3] *= corr[1];
       }
     }
-    uint32_t pa[4];
-    pa[0] = pack2<T>(sc[0][0], sc[0][1]);
-    pa[1] = pack2<T>(sc[0][2], sc[0][3]);
-    pa[2] = pack2<T>(sc[1][0], sc[1][1]);
-    pa[3] = pack2<T>(sc[1][2], sc[1][3]);
+    // O += P V, one 16-key half of the slice at a time (a k-step of the mma).
 #pragma unroll
-    for (int dn = 0; dn < D / 16; ++dn) {
-      uint32_t bv[4];
-      ldmatrix_x4_trans(bv, slice_chunk(stage, true, ((lane >> 3) & 1) * 8 + (lane & 7), dn * 2 + (lane >> 4)));
-      mma16816<T>(o[2 * dn], pa, bv[0], bv[1]);
-      mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
+    for (int half = 0; half < kN / 2; ++half) {
+      uint32_t pa[4];
+      pa[0] = pack2<T>(sc[2 * half][0], sc[2 * half][1]);
+      pa[1] = pack2<T>(sc[2 * half][2], sc[2 * half][3]);
+      pa[2] = pack2<T>(sc[2 * half + 1][0], sc[2 * half + 1][1]);
+      pa[3] = pack2<T>(sc[2 * half + 1][2], sc[2 * half + 1][3]);
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, slice_chunk(stage, true, half * 16 + ((lane >> 3) & 1) * 8 + (lane & 7),
+                                          dn * 2 + (lane >> 4)));
+        mma16816<T>(o[2 * dn], pa, bv[0], bv[1]);
+        mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
+      }
     }
   };
   if constexpr (kRegK) {
@@ -925,8 +948,8 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 as 2
 // with four warps a CTA at 256 whatever the grid, 5 cp.async in three stages at 64 whatever the
 // grid, 6 cp.async one tile ahead at 80 and 96 whatever the grid (5 and 6 elsewhere as 1), 7
-// TMA one tile ahead at 128 whatever the grid, 8 TMA in three stages at 64 whatever the grid (7
-// and 8 elsewhere as 2).
+// TMA one tile ahead at 128 whatever the grid, 8 TMA in three stages at 64 whatever the grid, 9
+// TMA with 32-key slices at 64 whatever the grid (7, 8 and 9 elsewhere as 2).
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
@@ -998,7 +1021,8 @@ template <typename T, int D>
 bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
-  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != 1 && pinned != 5 && pinned != 6 && device_is_sm90();
+  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != kPinCpAsync && pinned != kPinCpAsyncShallow &&
+             pinned != kPinCpAsyncOneAhead && device_is_sm90();
   // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies
   // and plain loads always ask for).
   // On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode grid streaming
@@ -1032,7 +1056,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     // / 1860, B8 L32768 241 / 244, B16 124 / 126. Auto also took it at D = 64 where many CTAs
     // stream long ranges, until the fortieth round measured it there against the other two
     // loaders: it took up to a quarter longer than either (below).
-    if (tma && pinned == 3)
+    if (tma && pinned == kPinRegsK)
       return launch_decode_loader<T, D, kLoadTmaV>(p, w, fused, stream, maps);
   }
   // With one CTA an SM, auto takes cp.async at D = 64. Eleventh H200 round, three runs: TMA read
@@ -1055,7 +1079,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // more CTAs than that keep two warps, two an SM (four warps in waves: B17 32/8/256 L2048 102 /
   // 81, B64 32/8/256 L1024 137 / 134, B32 16/8/256 L4096 245 / 243).
   if constexpr (D == 256) {
-    if (tma && pinned != 1 && (ctas <= sms || equal_rows_one_wave || pinned == 4))
+    if (tma && (ctas <= sms || equal_rows_one_wave || pinned == kPinTmaFourWarps))
       return launch_decode_loader<T, D, kLoadTmaFourWarps>(p, w, fused, stream, maps);
   }
   // At D = 64 auto takes TMA where at least as many CTAs as SMs stream splits of 2,048 keys of
@@ -1100,17 +1124,42 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   //   B16 L4096 41.8 against cp.async's 36.9.
   if constexpr (D == 128) {
     const bool one_ahead = ctas > sms && split_keys >= 1024 && split_keys <= 4096 && !equal_rows_one_wave;
-    if (tma && ((pinned == 0 && one_ahead) || pinned == 7))
+    if (tma && ((pinned == kPinLoaderAuto && one_ahead) || pinned == kPinTmaOneAhead))
       return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);
   }
   if constexpr (D == 64) {
     const bool four_an_sm =
         ctas > 3 * sms && split_keys <= 2048 && w.longest_first == 0 && !equal_rows_one_wave;
-    if (tma && ((pinned == 0 && four_an_sm) || pinned == 8))
+    if (tma && ((pinned == kPinLoaderAuto && four_an_sm) || pinned == kPinTmaShallow))
       return launch_decode_loader<T, D, kLoadTmaShallow>(p, w, fused, stream, maps);
+    // Elsewhere at D = 64, where the splits hold 512 keys of capacity or more, TMA with 32 keys a
+    // warp a stage (kLoadTmaWide): one online-softmax step a warp (the row maxima and their
+    // shuffles, the rescale of O, the barrier wait) serves twice the keys, which at 128 bytes a
+    // key row was a larger share of a tile's work than at D = 128. Forty-fourth round, one H200,
+    // one process, interleaved, us, 32-key slices (auto) / the loader auto took before (SDPA
+    // cuDNN): B48 32/8/64 L2048 52.2 / 53.8 TMA (48.7), B40 44.5 / 45.8 (41.6), B64 65.9 / 68.1
+    // (63.6), B128 128.9 / 131.8 (121.7), B64 L4096 123.5 / 125.8, B32 L8192 123.4 / 125.1
+    // (120.2), B8 L8192 35.4 / 36.2; where cp.async ran: B16 L4096 34.0 / 36.7 (37.5), B8 12/12
+    // L1024 9.16 / 11.12 (11.47), B32 12/12 L1024 28.9 / 32.6 (26.4), B1 32/8/64 L16384 12.0 /
+    // 13.2, B2 L8192 11.9 / 13.3, B4 14/2/64 L16384 12.2 / 13.6; B1 32/8/64 L8192 8.45 / 8.64
+    // (three cp.async stages), B8 14/2/64 L4096 8.56 / 8.79. Ragged batches (lengths from 256)
+    // gained 4-13% (B48 L2048 32.8 / 34.3, B16 L4096 29.8 / 33.0, B8 12/12 L1024 from 128 8.52 /
+    // 9.78), tied at B32 L8192 (79.8 / 79.7) and lost 1.1% at B64 L2048 (41.1 / 40.7). With
+    // shorter splits it lost (B1 14/2/64 L1024, splits of 16 keys: 4.57 against 4.17), and it
+    // tied at 14/2/64 L32768 (496 keys: 9.31 / 9.35); with four CTAs an SM the three shallow
+    // stages stay (B64 L1024 37.1 against 36.3).
+    const bool wide = !four_an_sm && split_keys >= 512;
+    if (tma && ((pinned == kPinLoaderAuto && wide) || pinned == kPinTmaWide)) {
+      // Maps whose boxes hold a warp's 32 keys (a slice).
+      if (encode_cache_map(&maps.k, p.key_cache, p, 32, promotion) &&
+          encode_cache_map(&maps.v, p.value_cache, p, 32, promotion))
+        return launch_decode_loader<T, D, kLoadTmaWide>(p, w, fused, stream, maps);
+      tma = false;
+    }
   }
   if constexpr (D % 64 == 0) {
-    if (tma && (pinned == 2 || pinned == 4 || pinned == 7 || pinned == 8 || auto_tma))
+    if (tma && (pinned == kPinTma || pinned == kPinTmaFourWarps || pinned == kPinTmaOneAhead ||
+                pinned == kPinTmaShallow || pinned == kPinTmaWide || auto_tma))
       return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
   // At D = 64, where the grid is one wave of at most one CTA an SM and the splits are short (512
@@ -1123,7 +1172,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // of requests: B8 12/12/64 L1024 (96 CTAs of 1,024 keys) 11.17-11.22 / 10.90-10.92.
   const bool short_ranges = split_keys <= 512;
   if constexpr (D == 64) {
-    if ((pinned == 0 && ctas <= sms && short_ranges) || pinned == 5)
+    if ((pinned == kPinLoaderAuto && ctas <= sms && short_ranges) || pinned == kPinCpAsyncShallow)
       return launch_decode_loader<T, D, kLoadCpAsyncShallow>(p, w, fused, stream, maps);
   }
   // At D = 80 and 96 (cp.async only: the TMA boxes are 64 columns wide), where the grid is one
@@ -1137,7 +1186,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // run one CTA an SM (58.8 / 53.7), and at B = 1 (10.6 / 10.5).
   const bool one_wave_at_two = ctas > sms && ctas <= 2 * sms && !equal_rows_one_wave;
   if constexpr (D == 80 || D == 96) {
-    if ((pinned == 0 && one_wave_at_two) || pinned == 6)
+    if ((pinned == kPinLoaderAuto && one_wave_at_two) || pinned == kPinCpAsyncOneAhead)
       return launch_decode_loader<T, D, kLoadCpAsyncOneAhead>(p, w, fused, stream, maps);
   }
   return launch_decode_loader<T, D, kLoadCpAsync>(p, w, fused, stream, maps);

@@ -29,8 +29,23 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // whatever the grid, 5 ("cp_async_shallow") cp.async in three stages at 64 whatever the grid, 6
 // ("cp_async_one_ahead") cp.async one tile ahead at 80 and 96 whatever the grid (5 and 6
 // elsewhere as 1), 7 ("tma_one_ahead") TMA one tile ahead at 128 whatever the grid, 8
-// ("tma_shallow") TMA in three stages at 64 whatever the grid (7 and 8 elsewhere as 2).
+// ("tma_shallow") TMA in three stages at 64 whatever the grid, 9 ("tma_wide") TMA with 32 keys
+// a warp a stage at 64 whatever the grid (7, 8 and 9 elsewhere as 2).
 void set_decode_loader(int loader);
+// set_decode_loader's values by name, in the order of the names cuda_backend.cpp accepts.
+enum DecodeLoaderPin : int {
+  kPinLoaderAuto = 0,
+  kPinCpAsync = 1,
+  kPinTma = 2,
+  kPinRegsK = 3,
+  kPinTmaFourWarps = 4,
+  kPinCpAsyncShallow = 5,
+  kPinCpAsyncOneAhead = 6,
+  kPinTmaOneAhead = 7,
+  kPinTmaShallow = 8,
+  kPinTmaWide = 9,
+  kDecodeLoaderPins = 10  // how many
+};
 
 // Whether the decode kernel has its four-warp layout at head size 256 (DecodeCfg) on a device of
 // compute capability major `sm_major`: an sm90 device and a build with sm90a code. The plan

@@ -123,7 +123,11 @@ void set_decode_loader(const std::string& loader) {
   // The index is set_decode_loader's value (kernels/launch.h), not the kernel's loader code.
   static const char* const kLoaders[] = {"auto",           "cp_async",         "tma",
                                          "regs_k",         "tma_four_warps",   "cp_async_shallow",
-                                         "cp_async_one_ahead", "tma_one_ahead", "tma_shallow"};
+                                         "cp_async_one_ahead", "tma_one_ahead", "tma_shallow",
+                                         "tma_wide"};
+#ifdef GQA_WITH_CUDA
+  static_assert(std::size(kLoaders) == cuda::kDecodeLoaderPins, "a name for each of launch.h's DecodeLoaderPin");
+#endif
   set_switch(kLoaders, loader, "decode loader", GQA_CUDA_SWITCH(set_decode_loader));
 }
 
