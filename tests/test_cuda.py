@@ -640,10 +640,10 @@ def decode_loader(request):
     9.0a build TMA at head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs
     stream splits of 1,024-4,096 keys, at 256 with four warps a CTA where the grid, or its equal
     rows' part, is one wave at one CTA an SM, at 64 in three stages where more than three CTAs an
-    SM stream short splits in row order and in five where many CTAs stream long ones, neither
-    where equal rows would run one CTA an SM, else cp.async: in three stages at 64 where the
-    grid is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is
-    one wave at two CTAs an SM), so that every loader stays tested there. "cp_async_shallow"
+    SM stream short splits in row order and else with 32 keys a warp a stage where the splits
+    hold 512 keys or more, else cp.async: in three stages at 64 where the grid is one wave at
+    one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one wave at two CTAs
+    an SM), so that every loader stays tested there. "cp_async_shallow"
     (three stages) exists at head size 64, "cp_async_one_ahead" at 80 and 96, "tma_one_ahead" at
     128, "tma_shallow" (three stages) and "tma_wide" (32 keys a warp a stage) at 64 and "regs_k"
     (K into registers, V by TMA) at 64 and 128; elsewhere the first two run as "cp_async", the

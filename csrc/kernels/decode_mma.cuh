@@ -6,9 +6,9 @@
 // [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
 // row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
 // own 16 keys, or 32 under kLoadTmaWide, on sm90 at head sizes 64/128/256, with K instead
-// loaded straight into registers at 64/128 under a pin; by cp.async, the whole CTA, elsewhere: auto's
-// choices are in launch_decode_mma_d), and each warp multiplies its 16 keys of a tile (32:
-// two k-steps of P V) with mma.sync m16n8k16:
+// loaded straight into registers at 64/128 under a pin; by cp.async, the whole CTA,
+// elsewhere: auto's choices are in launch_decode_mma_d), and each warp multiplies its 16 keys
+// of a tile (32: two k-steps of P V) with mma.sync m16n8k16:
 //   S[16 heads x 16 keys] = Q[16 x D] K^T,  O[16 x D] += P[16 x 16] V[16 x D],
 // with an online softmax in fp32 (log2 domain) per warp. The warps' states are merged through
 // shared memory at the end; a CTA either writes the output (one split) or its normalised
@@ -168,8 +168,8 @@ __device__ __forceinline__ void l2_prefetch_rows(const T* src, int rows, int64_t
   for (int r = thread; r < rows; r += threads) l2_prefetch_bulk(src + r * stride, kRowBytes);
 }
 
-// kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 (or 32) keys of every tile as TMA
-// boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
+// kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 (or 32) keys of every tile
+// as TMA boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
 // (kRegK: V only; each lane loads its part of K into registers, see load_k); otherwise the CTA
 // copies whole tiles with cp.async between two barriers a tile.
 //
@@ -939,11 +939,10 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 // head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs stream splits of
 // 1,024-4,096 keys, at 256 four warps a CTA where the grid is one wave at one CTA an SM; at 64,
 // TMA in three stages where more than three CTAs an SM stream splits of up to 2,048 keys in
-// row order (not longest first), and in five with at least as many CTAs as SMs and 2,048 keys
-// of capacity a split or more; neither where equal rows would run one CTA an SM; cp.async
-// elsewhere, in three stages at 64 where the
-// grid is one wave at one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one
-// wave at two CTAs an SM), 1 cp.async always (five stages at 64, three tiles ahead at 80 and
+// row order (not longest first), else TMA with 32-key slices where the splits hold 512 keys of
+// capacity or more; cp.async elsewhere, in three stages at 64 where the grid is one wave at one
+// CTA an SM of short splits, one tile ahead at 80 and 96 where it is one wave at two CTAs an
+// SM), 1 cp.async always (five stages at 64, three tiles ahead at 80 and
 // 96), 2 TMA where it can run (two tiles ahead at 128, five stages at 64), 3 K by plain loads
 // into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 as 2
 // with four warps a CTA at 256 whatever the grid, 5 cp.async in three stages at 64 whatever the
@@ -1044,7 +1043,6 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   const int64_t sms = device_attribute<cudaDevAttrMultiProcessorCount>();
   const bool many_ctas = ctas >= sms;
   const int64_t split_keys = p.capacity / row_splits;  // a split's keys of capacity
-  const bool long_ranges = split_keys >= 2048;
   // A batch of equal rows would take one wave of at most one CTA an SM (Plan::equal_rows_splits)
   // in a grid of more CTAs.
   const bool equal_rows_one_wave = w.equal_rows_splits > 0 && w.equal_rows_splits * slots <= sms;
@@ -1089,9 +1087,10 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // 136.1 (119.9); B16 L4096, equal rows in one split a row, 49.7 / 41.3 / 36.9 (37.5), lengths
   // from 256 34.0 / 31.0 / 32.7 (a ragged batch pays 5% for the equal rows' 11%). Shorter
   // ranges keep cp.async (measured once: B64 L1024 38.5 against TMA's 37.8; 14/2/64 L32768, 132
-  // CTAs of 496 keys, 9.7 against 10.1).
-  const bool auto_tma = D == 128 || (D == 256 && many_ctas) ||
-                        (D == 64 && many_ctas && long_ranges && !equal_rows_one_wave);
+  // CTAs of 496 keys, 9.7 against 10.1). Since the forty-fourth round every such grid, and the
+  // equal rows' one wave too, takes the 32-key slices instead (kLoadTmaWide, below), so auto
+  // never takes this loader at 64.
+  const bool auto_tma = D == 128 || (D == 256 && many_ctas);
   // Two variants of the TMA loader, each where a grid of many CTAs read faster with it
   // (forty-second round, two H200s, one process each, interleaved, two runs, us, SDPA cuDNN in
   // brackets):

@@ -17,11 +17,10 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 // sm90a build: TMA onto per-warp mbarriers at head sizes 128 and 256, at 128 with one tile in
 // flight ahead where more CTAs than SMs stream splits of 1,024-4,096 keys, at 256 with four
 // warps a CTA where the grid is one wave at one CTA an SM; at 64 TMA in three stages where more
-// than three CTAs an SM stream short key ranges in row order and in five where at least as
-// many CTAs as SMs stream long ones, neither where equal rows would run one CTA an SM;
-// cp.async otherwise, in three stages at 64 where the grid is one wave at one CTA an SM of
-// short splits, with one tile in flight ahead at 80 and 96 where it is one wave at two CTAs an
-// SM), 1 cp.async always (two
+// than three CTAs an SM stream short key ranges in row order, else TMA with 32 keys a warp a
+// stage where the splits hold 512 keys of capacity or more; cp.async otherwise, in three
+// stages at 64, with one tile in flight ahead at 80 and 96 where the grid is one wave at two
+// CTAs an SM), 1 cp.async always (two
 // warps a CTA at 256, five stages at 64, three tiles ahead at 80 and 96), 2 TMA where it can run
 // (head sizes 64, 128 and 256: five stages at 64, two tiles ahead at 128, as auto picks the
 // warps at 256), 3 ("regs_k") K by plain loads into the mma fragments and V by TMA where that
