@@ -746,7 +746,7 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
 @pytest.mark.parametrize("batch,hq,hkv,capacity,rows,loader,code", [
     (16, 32, 8, 4096, "equal", "auto", 8), (16, 32, 8, 4096, "ragged", "auto", 8),
     (64, 32, 8, 2048, "equal", "auto", 8), (4, 32, 8, 1024, "equal", "auto", 4), (1, 14, 2, 1024, "equal", "auto", 4),
-    (1, 14, 2, 32768, "equal", "auto", 4), (1, 32, 8, 8192, "equal", "auto", 8), (8, 12, 12, 1024, "ragged", "auto", 8),
+    (1, 14, 2, 32768, "equal", "auto", 8), (1, 32, 8, 8192, "equal", "auto", 8), (8, 12, 12, 1024, "ragged", "auto", 8),
     (16, 32, 8, 4096, "equal", "regs_k", 2), (1, 14, 2, 1024, "equal", "cp_async", 0),
     (64, 32, 8, 2048, "equal", "cp_async_shallow", 4), (72, 32, 8, 1024, "ragged", "auto", 7),
     (34, 32, 8, 4096, "equal", "auto", 8), (34, 32, 8, 2048, "equal", "tma", 1),
@@ -761,8 +761,8 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     equal and ragged rows alike, as the plan fixes the kernel; B64 with 2,048 keys, ranked
     longest first; B1 32/8 with 8,192 keys in 16 splits; B8 12/12 with 1,024 keys in one; B34
     and B48, whose last wave of equal rows takes more splits, Plan::equal_rows_tail_splits, by
-    the rows' one split); and by cp.async in three stages (code 4) where the splits are shorter
-    (B4 32/8 L1024, B1 14/2 L1024 and L32768: 496 keys). K into registers (code 2), five-stage
+    the rows' one split; B1 14/2 with 32,768 keys in 64 splits); and by cp.async in three stages
+    (code 4) where the splits are shorter (B4 32/8 L1024, B1 14/2 L1024). K into registers (code 2), five-stage
     cp.async (code 0) at B1 14/2, three-stage cp.async with many CTAs, five TMA stages of 16
     keys (code 1) at B34 L2048, three at B16 and 32-key slices at B1 14/2 run under their pins.
     The expected codes are listed per case (an H200's 132 SMs), and the plan premises they rest
@@ -779,7 +779,7 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     premises = {  # (row splits, longest first, equal rows' splits, the last wave's splits)
         (16, 4096): (2, True, 1, 0), (64, 2048): (1, True, 0, 0), (72, 1024): (1, False, 0, 0),
         (34, 4096): (1, True, 1, 8), (48, 2048): (1, True, 1, 2), (4, 1024): (4, False, 0, 0),
-        (1, 8192): (16, False, 0, 0), (8, 1024): (1, False, 0, 0)}
+        (1, 8192): (16, False, 0, 0), (8, 1024): (1, False, 0, 0), (1, 32768): (64, False, 0, 0)}
     if (batch, capacity) in premises:
         got = (row_splits, plan["longest_first"], plan["equal_rows_splits"], plan["equal_rows_tail_splits"])
         assert got == premises[(batch, capacity)], plan
@@ -919,6 +919,26 @@ def test_cuda_decode_merge_kernel_many_splits(dtype, max_splits):
                              kv_num_heads=[2, 1][i % 2], head_dim=[64, 256, 80, 128, 40, 64][i], capacity=720,
                              past_lengths=[0, 4, 9, 130, 699], dtype=DTYPES[dtype], layout=i % 2, **feat)
             _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("hq,hkv,head_dim,capacity,max_splits", [
+    (14, 2, 64, 32768, 64), (28, 4, 128, 8192, 32), (16, 4, 128, 32768, 32)])
+def test_cuda_decode_power_of_two_splits(dtype, hq, hkv, head_dim, capacity, max_splits):
+    """At B = 1 with 2 or 4 kv heads the plan rounds the splits that fill 132 SMs (66, 33) down
+    to a power of two (core/plan.cpp), merged by the merge kernel. A full row and a row a few
+    keys shorter (with RoPE, softcap, a sink and larger logits), in place, match the reference
+    and the CPU backend."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    plan = gqa_torch._C._decode_plan(1, hq, hkv, capacity, sms, head_dim=head_dim)
+    if sms != 132:
+        pytest.skip(f"the plan's splits are listed for 132 SMs; this GPU has {sms}: {plan}")
+    assert plan["max_splits"] == max_splits, plan
+    for past, feat in [(capacity - 1, dict()),
+                       (capacity - 7, dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]:
+        case = make_case("inplace", batch=1, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=head_dim,
+                         capacity=capacity, past_lengths=[past], dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -10,7 +10,7 @@ from gqa_torch import _C
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,max_splits,longest_first", [
     (1, 32, 8, 1024, 16, False),      # one row: nothing to order
-    (1, 14, 2, 32768, 66, False),
+    (1, 14, 2, 32768, 64, False),
     (8, 32, 8, 1024, 2, False),       # 128 CTAs, fewer than the SMs: all start at once
     (8, 32, 8, 8192, 8, True),        # splits of 2,048 keys two CTAs an SM (256 CTAs), twice for a ragged batch
     (8, 32, 8, 32768, 8, True),       # 512 CTAs: the ragged B8 row of bench_decode.py
@@ -19,7 +19,7 @@ from gqa_torch import _C
     (64, 32, 8, 2048, 1, True),       # ... and of 2,048
     (16, 64, 8, 8192, 2, True),
     (2, 128, 1, 4096, 64, False),     # 2 x 64 splits x 8 head chunks of 16 query heads, 64 keys each
-    (2, 128, 1, 262144, 66, True),    # ... of 3,971 keys
+    (2, 128, 1, 262144, 64, True),    # ... of 4,096 keys
     (40, 16, 4, 2100, 2, True),       # 160 CTAs, two waves of them for a ragged batch
     (33, 4, 4, 2048, 1, False),       # 132 CTAs: exactly the SMs
     (33, 4, 4, 4096, 2, True),        # ... two an SM, as their splits hold 2,048 keys
@@ -179,3 +179,22 @@ def test_decode_plan_refuses_bad_shapes():
         _C._decode_plan(2, 6, 4, 100, 132)
     with pytest.raises(ValueError, match="expected positive sizes with kv_heads dividing q_heads"):
         _C._decode_plan(2, 8, 4, 100, 132, head_dim=0)
+
+
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,max_splits", [
+    (1, 14, 2, 32768, 64, 64),    # 132 / 2 kv heads = 66 splits: 64 idles 4 SMs, within 1/16
+    (1, 28, 4, 8192, 128, 32),    # 33 -> 32
+    (1, 16, 4, 32768, 128, 32),
+    (2, 14, 2, 32768, 128, 32),   # 4 (row, kv head) pairs: 33 -> 32
+    (1, 28, 4, 8192, 256, 33),    # not at head size 256
+    (1, 28, 4, 8192, 80, 33),     # nor at 80
+    (1, 24, 3, 8192, 128, 44),    # 32 would idle a quarter of the SMs
+    (1, 32, 8, 8192, 128, 16),    # a power of two already
+    (1, 14, 2, 1024, 64, 16),     # 1,024 keys feed 16 splits of 64 at most
+])
+def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch, hq, hkv, capacity, head_dim,
+                                                                          max_splits):
+    """At head sizes 64 and 128 the splits that give one CTA an SM round down to a power of two
+    where that leaves at most 1/16 of the SMs more idle (132 SMs)."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
+    assert plan["max_splits"] == max_splits, plan

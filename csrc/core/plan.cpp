@@ -22,6 +22,20 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     const int64_t base_ctas = static_cast<int64_t>(p.batch) * p.kv_heads;
     const int64_t sms = device.sm_count > 0 ? device.sm_count : 1;
     int64_t splits = sms / (base_ctas > 0 ? base_ctas : 1);
+    // At head sizes 64 and 128, a power of two where it idles at most 1/16 of the SMs more (66
+    // splits a kv head become 64 at B1 with 2 kv heads, 33 become 32 with 4): the same tiles a
+    // split at long rows, fewer CTAs and partials. H200, stop 53, the split pins against the
+    // plan's count, two interleaved runs, us: 14/2/64 L32768 9.15, 9.25 against 9.28, 9.48
+    // (level at 4,096-16,384 keys); 28/4/128 L8192 9.65, 9.83 against 9.77, 9.94, L16384 13.45,
+    // 13.41 against 13.70, 13.70, L32768 21.67, 21.72 against 22.21, 22.27; 16/4/128 L8192
+    // 9.33, 9.32 against 9.45, 9.45. Not at 256 (8/4/256 L8192 17.48, 17.51 against 17.26,
+    // 17.16). The row's own split count must not do it instead: the same 64 active splits in
+    // the grid of 66 (the other CTAs leaving) ran 10.56-10.64 us at 14/2/64 L32768.
+    if (p.head_dim == 64 || p.head_dim == 128) {
+      int64_t power_of_two = 1;
+      while (2 * power_of_two <= splits) power_of_two *= 2;
+      if (16 * power_of_two >= 15 * splits) splits = power_of_two;
+    }
     const int64_t by_chunk = (static_cast<int64_t>(p.capacity) + 4095) / 4096;
     if (base_ctas < 2 * sms && splits < by_chunk) splits = by_chunk;
     // Two CTAs an SM instead, where each split still holds 2,048 keys of capacity or more: the

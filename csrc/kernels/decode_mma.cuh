@@ -1145,7 +1145,8 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     // gained 4-13% (B48 L2048 32.8 / 34.3, B16 L4096 29.8 / 33.0, B8 12/12 L1024 from 128 8.52 /
     // 9.78), tied at B32 L8192 (79.8 / 79.7) and lost 1.1% at B64 L2048 (41.1 / 40.7). With
     // shorter splits it lost (B1 14/2/64 L1024, splits of 16 keys: 4.57 against 4.17), and it
-    // tied at 14/2/64 L32768 (496 keys: 9.31 / 9.35); with four CTAs an SM the three shallow
+    // tied at 14/2/64 L32768 (496 keys: 9.31 / 9.35; since stop 53 the plan gives that row 64
+    // splits of 512 keys, and it takes this loader); with four CTAs an SM the three shallow
     // stages stay (B64 L1024 37.1 against 36.3).
     const bool wide = !four_an_sm && split_keys >= 512;
     if (tma && ((pinned == kPinLoaderAuto && wide) || pinned == kPinTmaWide)) {
