@@ -22,15 +22,18 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     const int64_t base_ctas = static_cast<int64_t>(p.batch) * p.kv_heads;
     const int64_t sms = device.sm_count > 0 ? device.sm_count : 1;
     int64_t splits = sms / (base_ctas > 0 ? base_ctas : 1);
-    // At head sizes 64 and 128, a power of two where it idles at most 1/16 of the SMs more (66
-    // splits a kv head become 64 at B1 with 2 kv heads, 33 become 32 with 4): the same tiles a
-    // split at long rows, fewer CTAs and partials. H200, stop 53, the split pins against the
-    // plan's count, two interleaved runs, us: 14/2/64 L32768 9.15, 9.25 against 9.28, 9.48
-    // (level at 4,096-16,384 keys); 28/4/128 L8192 9.65, 9.83 against 9.77, 9.94, L16384 13.45,
-    // 13.41 against 13.70, 13.70, L32768 21.67, 21.72 against 22.21, 22.27; 16/4/128 L8192
-    // 9.33, 9.32 against 9.45, 9.45. Not at 256 (8/4/256 L8192 17.48, 17.51 against 17.26,
-    // 17.16). The row's own split count must not do it instead: the same 64 active splits in
-    // the grid of 66 (the other CTAs leaving) ran 10.56-10.64 us at 14/2/64 L32768.
+    // At head sizes 64 and 128, a power of two where that idles at most 1/16 of the SMs more:
+    // 66 splits a kv head become 64 at B = 1 with 2 kv heads, 33 become 32 with 4. At long rows
+    // each split keeps its number of tiles (497 keys and 512 are both 8 tiles of 64), and the
+    // grid has fewer CTAs and partials; why that pays by more than the 3% of the SMs it idles
+    // was not profiled. H200, stop 53, interleaved, two runs each, us, the build before / this
+    // rule: 14/2/64 L32768 9.33, 9.35 / 9.10, 9.12 (1.294-1.298x SDPA cuDNN); 28/4/128 L8192
+    // 9.79-9.82 / 9.69, L16384 13.68-13.70 / 13.49-13.51, L32768 22.50-22.51 / 21.99; B2
+    // 14/2/128 L32768 22.43-22.51 / 22.01-22.04; 16/4/128 L8192 9.43-9.44 / 9.32-9.33; level at
+    // 14/2/64 L16384 (6.98 / 6.95-6.97). Not at head size 256, where 32 splits ran slower under
+    // a pin (8/4/256 L8192 17.48-17.51 against 17.16-17.26). Nor may a row take fewer splits
+    // than the grid has instead: the same 64 splits at 14/2/64 L32768 in the grid of 66, the
+    // other CTAs leaving, ran 10.56-10.64.
     if (p.head_dim == 64 || p.head_dim == 128) {
       int64_t power_of_two = 1;
       while (2 * power_of_two <= splits) power_of_two *= 2;
