@@ -762,9 +762,10 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     longest first; B1 32/8 with 8,192 keys in 16 splits; B8 12/12 with 1,024 keys in one; B34
     and B48, whose last wave of equal rows takes more splits, Plan::equal_rows_tail_splits, by
     the rows' one split; B1 14/2 with 32,768 keys in 64 splits); and by cp.async in three stages
-    (code 4) where the splits are shorter (B4 32/8 L1024, B1 14/2 L1024). K into registers (code 2), five-stage
-    cp.async (code 0) at B1 14/2, three-stage cp.async with many CTAs, five TMA stages of 16
-    keys (code 1) at B34 L2048, three at B16 and 32-key slices at B1 14/2 run under their pins.
+    (code 4) where the splits are shorter (B4 32/8 L1024, B1 14/2 L1024). K into registers (code
+    2), five-stage cp.async (code 0) at B1 14/2, three-stage cp.async with many CTAs, five TMA
+    stages of 16 keys (code 1) at B34 L2048, three at B16 and 32-key slices at B1 14/2 run under
+    their pins.
     The expected codes are listed per case (an H200's 132 SMs), and the plan premises they rest
     on are asserted. Each matches the reference and the CPU backend, in place, without features
     and with RoPE, softcap, a sink and ragged rows."""
