@@ -32,8 +32,9 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // 14/2/128 L32768 22.43-22.51 / 22.01-22.04; 16/4/128 L8192 9.43-9.44 / 9.32-9.33; level at
     // 14/2/64 L16384 (6.98 / 6.95-6.97). Not at head size 256, where 32 splits ran slower under
     // a pin (8/4/256 L8192 17.48-17.51 against 17.16-17.26). Nor may a row take fewer splits
-    // than the grid has instead: the same 64 splits at 14/2/64 L32768 in the grid of 66, the
-    // other CTAs leaving, ran 10.56-10.64.
+    // than the grid has instead: 32 splits of 28/4/128 L8192 in the grid of 33, the other CTA
+    // of each kv head leaving, ran 10.32 (9.69 in a grid of 32), and 64 of 14/2/64 L32768 in
+    // the grid of 66 ran 10.56-10.64 (NOTES.md, forty-fifth round).
     if (p.head_dim == 64 || p.head_dim == 128) {
       int64_t power_of_two = 1;
       while (2 * power_of_two <= splits) power_of_two *= 2;
