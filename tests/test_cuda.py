@@ -943,6 +943,26 @@ def test_cuda_decode_power_of_two_splits(dtype, hq, hkv, head_dim, capacity, max
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("batch,hq,hkv,head_dim,capacity,past_lengths", [
+    (1, 14, 2, 64, 32768, [999]), (1, 40, 2, 128, 32768, [700]), (2, 14, 2, 64, 32768, [1999, 32767]),
+    (3, 40, 2, 128, 4096, [99, 4095, 1499]), (3, 28, 4, 128, 8192, [8191, 0, 640])])
+def test_cuda_decode_short_rows_leave_the_last_splits(dtype, batch, hq, hkv, head_dim, capacity, past_lengths):
+    """Rows far shorter than the plan's splits x 64 keys use only their first splits, and the
+    CTAs of the others leave (decode_mma.cuh). Rows of 1 to 32,768 keys at B = 1 to 3 in the
+    plain grid (not ranked longest first), with two head chunks a kv head (20 query heads a kv
+    head) and 132 CTAs (3 x 4 kv heads x 11 splits), with and without features, in place, match
+    the reference and the CPU backend."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=head_dim)
+    assert not plan["longest_first"], plan  # the plain grid, whose order this test is about
+    assert 64 * plan["max_splits"] > min(past_lengths) + 1, plan  # some splits left unused
+    for feat in [dict(), dict(rotary="interleaved", softcap=3.0, q_amplitude=3.0, sink=True)]:
+        case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=head_dim,
+                         capacity=capacity, past_lengths=past_lengths, dtype=DTYPES[dtype], **feat)
+        _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_cuda_decode_arrival_merge_long_and_uneven_splits(dtype, head_dim):
     """The in-launch merge by the last split to finish, in 3 splits, on splits of 16 and 17
