@@ -951,11 +951,13 @@ def test_cuda_decode_short_rows_leave_the_last_splits(dtype, batch, hq, hkv, hea
     CTAs of the others leave (decode_mma.cuh). Rows of 1 to 32,768 keys at B = 1 to 3 in the
     plain grid (not ranked longest first), with two head chunks a kv head (20 query heads a kv
     head) and 132 CTAs (3 x 4 kv heads x 11 splits), with and without features, in place, match
-    the reference and the CPU backend."""
+    the reference and the CPU backend. The plan's premises are asserted on 132 SMs (an H200),
+    for which the shapes were chosen; elsewhere the cases still run."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=head_dim)
-    assert not plan["longest_first"], plan  # the plain grid, whose order this test is about
-    assert 64 * plan["max_splits"] > min(past_lengths) + 1, plan  # some splits left unused
+    if sms == 132:
+        plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=head_dim)
+        assert not plan["longest_first"], plan  # the plain grid: splits from the grid's x index
+        assert 64 * plan["max_splits"] > min(past_lengths) + 1, plan  # some splits left unused
     for feat in [dict(), dict(rotary="interleaved", softcap=3.0, q_amplitude=3.0, sink=True)]:
         case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=head_dim,
                          capacity=capacity, past_lengths=past_lengths, dtype=DTYPES[dtype], **feat)
