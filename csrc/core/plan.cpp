@@ -34,7 +34,8 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // a pin (8/4/256 L8192 17.48-17.51 against 17.16-17.26). Nor may a row take fewer splits
     // than the grid has instead: 32 splits of 28/4/128 L8192 in the grid of 33, the other CTA
     // of each kv head leaving, ran 10.32 (9.69 in a grid of 32), and 64 of 14/2/64 L32768 in
-    // the grid of 66 ran 10.56-10.64 (NOTES.md, forty-fifth round).
+    // the grid of 66 ran 10.56-10.64 (NOTES.md, forty-fifth round): with leaving CTAs between
+    // the working ones, the SMs took two working CTAs on 10-12 of them (forty-sixth round).
     if (p.head_dim == 64 || p.head_dim == 128) {
       int64_t power_of_two = 1;
       while (2 * power_of_two <= splits) power_of_two *= 2;
