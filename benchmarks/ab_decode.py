@@ -42,12 +42,13 @@ from common import inplace_decode_step, ragged_lengths, time_graphs_interleaved,
 # Decode shapes of common models outside bench_decode's grid (`--models`; the fortieth round's
 # sweep), B x Hq x Hkv x D x L at B = 1 and in batches. The heads follow Llama 3.2 1B (32/8/64),
 # GPT-2 (12/12/64), Phi-2 (32/32/80), Phi-3 mini (32/32/96), Qwen2 7B (28/4/128), Llama 2 7B
-# (32/32/128), Gemma 2 9B (16/8/256) and Gemma 2B (8/4/256).
+# (32/32/128), Llama 3 70B (64/8/128), Gemma 2 9B (16/8/256) and Gemma 2B (8/4/256).
 MODEL_SHAPES = [
     "1x32x8x64x8192", "16x32x8x64x4096", "64x32x8x64x2048", "8x12x12x64x1024",
     "1x32x32x80x2048", "8x32x32x80x2048", "32x32x32x80x2048",
     "1x32x32x96x4096", "8x32x32x96x4096", "32x32x32x96x4096", "1x24x8x96x8192",
     "1x28x4x128x8192", "32x28x4x128x4096", "1x32x32x128x4096", "8x32x32x128x4096",
+    "12x64x8x128x16384", "15x64x8x128x8192", "16x64x8x128x16384",
     "1x16x8x256x8192", "8x16x8x256x4096", "32x16x8x256x4096", "1x8x4x256x8192", "16x8x4x256x4096",
     "64x8x4x256x2048", "17x32x8x256x2048", "64x32x8x256x1024",
 ]
