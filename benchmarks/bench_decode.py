@@ -92,25 +92,33 @@ def time_flex(qs, ks, vs):
         return float("nan")
 
 
+def full_rows_inputs(b, hq, hkv, d, length, n):
+    """A grid row's inputs, every row full: n sets of queries [B, Hq, 1, D] and of K and V
+    caches [B, Hkv, L, D] (SDPA's layout), one new key and value, and our in-place call (append
+    + attention) on set i, whose queries are the same tensors seen as [B, 1, Hq D].
+    Returns (qs, ks, vs, ours)."""
+    ks = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    vs = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
+    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+    q_bsh = [q.transpose(1, 2).reshape(b, 1, hq * d) for q in qs]
+
+    def ours(i):
+        gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, ks[i], vs[i], seqlens,
+                                         num_heads=hq, kv_num_heads=hkv)
+
+    return qs, ks, vs, ours
+
+
 def decode_table(args):
     rows = []
     for b, hq, hkv, d, length in DECODE_GRID:
         kv_bytes = 2 * b * hkv * length * d * 2
         n = sets_for_bytes(kv_bytes)
         progress(f"decode B={b} {hq}/{hkv}/{d} L={length}: {kv_bytes / 1e6:.0f} MB K/V, {n} input sets")
-        caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
-                   torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
-        qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
-        new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-        new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-        seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
-        q_bsh = [q.transpose(1, 2).reshape(b, 1, hq * d) for q in qs]
-
-        def ours(i):
-            gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
-                                             num_heads=hq, kv_num_heads=hkv)
-
-        ks, vs = [c[0] for c in caches], [c[1] for c in caches]
+        qs, ks, vs, ours = full_rows_inputs(b, hq, hkv, d, length, n)
         # Every column interleaved (common.time_graphs_interleaved), so that their ratios do not
         # carry the clocks' drift over the run: ours (auto), SDPA flash and cuDNN, and ours with
         # each of the decode kernel's loaders and merges pinned (a switch is read when the call
@@ -144,7 +152,7 @@ def decode_table(args):
                  f"cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | {row['speedup_vs_best']:.2f}x best SDPA, "
                  f"{row['TBps']:.2f} TB/s")
         rows.append(row)
-        del caches, qs, q_bsh, ks, vs
+        del qs, ks, vs, ours, steps
         torch.cuda.empty_cache()
     return rows
 

@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gqa_torch  # noqa: E402
-from bench_decode import DECODE_GRID, DTYPE, sdpa_step  # noqa: E402
+from bench_decode import DECODE_GRID, full_rows_inputs, sdpa_step  # noqa: E402
 from common import capture_graph, sets_for_bytes, warm_up_gpu  # noqa: E402
 
 
@@ -49,19 +49,7 @@ def fit_line(xs: list, ys: list) -> tuple:
 def run_row(b, hq, hkv, d, length, replays):
     kv_bytes = 2 * b * hkv * length * d * 2
     n = sets_for_bytes(kv_bytes)
-    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE),
-               torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE)) for _ in range(n)]
-    qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
-    q_bsh = [q.transpose(1, 2).reshape(b, 1, hq * d) for q in qs]
-
-    def ours(i):
-        gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, caches[i][0], caches[i][1], seqlens,
-                                         num_heads=hq, kv_num_heads=hkv)
-
-    ks, vs = [c[0] for c in caches], [c[1] for c in caches]
+    qs, ks, vs, ours = full_rows_inputs(b, hq, hkv, d, length, n)
     steps = {"ours": ours, "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs),
              "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}
     counts = sorted(set([max(n, 8)] + call_counts(kv_bytes)))  # bench_decode.py's length first
@@ -92,7 +80,7 @@ def run_row(b, hq, hkv, d, length, replays):
     print(f"  cudnn / ours at {short} calls: {med[('cudnn', short)] / med[('ours', short)]:.4f}; "
           f"at {long_}: {med[('cudnn', long_)] / med[('ours', long_)]:.4f}; "
           f"best SDPA / ours by slope: {best / slopes['ours']:.4f}", flush=True)
-    del graphs, caches, qs, q_bsh, ks, vs
+    del graphs, qs, ks, vs, ours, steps
     torch.cuda.empty_cache()
 
 
