@@ -110,18 +110,37 @@ def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int =
     return statistics.median(times)
 
 
-def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict:
-    """Median µs per call of each `steps[name](i)`, each captured in its own CUDA graph, with the
-    graphs replayed in turn, round after round. Timed one after another, the same kernel read
-    497 and 525 TFLOP/s within one run on an H200 (its clocks drift); interleaved, the drift
-    hits every step alike, so that their ratios hold. A step that cannot run or be captured
-    reads nan.
+def replay_interleaved(graphs: dict, replays: int = 15) -> dict:
+    """The µs of each timed replay of each CUDA graph in `graphs` (name -> graph), `replays` of
+    each, with the graphs replayed in turn, round after round. Timed one after another, the same
+    kernel read 497 and 525 TFLOP/s within one run on an H200 (its clocks drift); interleaved,
+    the drift hits every graph alike, so that their ratios hold.
 
     Each timed replay follows an untimed replay of the same graph, and the rounds alternate
     their direction. A power-capped H200 (about 690 W on long prefills) clocks a graph higher
     when it follows a graph that drew less power: in a fixed order, with SDPA flash's graph
     before cuDNN's, ours / cuDNN read 0.94 at B=1 L=16384 D=128, and 1.16 with ours after
     flash; alternating the two alone read 1.06 in either order (2026-11-30)."""
+    for graph in graphs.values():  # untimed: the clocks and caches settle
+        graph.replay()
+    times = {name: [] for name in graphs}
+    for round_ in range(replays):
+        order = list(graphs.items()) if round_ % 2 == 0 else list(graphs.items())[::-1]
+        for name, graph in order:
+            graph.replay()  # untimed: the clocks settle on this graph's own draw
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000.0)
+    return times
+
+
+def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict:
+    """Median µs per call of each `steps[name](i)`, each captured in its own CUDA graph of
+    max(n_sets, 8) calls, the graphs replayed interleaved (replay_interleaved). A step that
+    cannot run or be captured reads nan."""
     calls = max(n_sets, 8)
     graphs = {}
     for name, step in steps.items():
@@ -129,21 +148,9 @@ def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict
             graphs[name] = capture_graph(step, n_sets, calls)
         except Exception as exc:
             progress(f"    {name}: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
-    for graph in graphs.values():  # untimed: the clocks and caches settle
-        graph.replay()
-    times = {name: [] for name in graphs}
-    for round_ in range(replays):
-        order = list(graphs.items()) if round_ % 2 == 0 else list(graphs.items())[::-1]
-        for name, graph in order:
-            graph.replay()  # untimed: the clocks settle on this step's own draw
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1000.0 / calls)
+    times = replay_interleaved(graphs, replays)
     del graphs
-    return {name: statistics.median(times[name]) if name in times else float("nan") for name in steps}
+    return {name: statistics.median(times[name]) / calls if name in times else float("nan") for name in steps}
 
 
 def warm_up_gpu(seconds: float = 2.0) -> None:

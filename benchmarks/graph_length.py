@@ -6,7 +6,7 @@ bench_decode.py times a graph of max(input sets, 8) calls a replay (13 at B1 L81
 set exceeds the L2 budget) and divides the replay's time by them, so each call carries a share
 of what the replay itself costs: the graph's launch and, for ours, the first call's missing PDL
 overlap with the kernel before. This script captures graphs of several lengths for each row,
-replays them interleaved (as common.time_graphs_interleaved), and fits
+replays them interleaved (common.replay_interleaved), and fits
 
     T(replay) = a + b * calls
 
@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gqa_torch  # noqa: E402
 from bench_decode import DECODE_GRID, full_rows_inputs, sdpa_step  # noqa: E402
-from common import capture_graph, sets_for_bytes, warm_up_gpu  # noqa: E402
+from common import capture_graph, replay_interleaved, sets_for_bytes, warm_up_gpu  # noqa: E402
 
 
 def call_counts(kv_bytes: int) -> list:
@@ -54,19 +54,7 @@ def run_row(b, hq, hkv, d, length, replays):
              "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}
     counts = sorted(set([max(n, 8)] + call_counts(kv_bytes)))  # bench_decode.py's length first
     graphs = {(name, c): capture_graph(step, n, c) for name, step in steps.items() for c in counts}
-    times = {k: [] for k in graphs}
-    # Interleaved, each timed replay after an untimed one of the same graph, alternating the
-    # order round by round (as common.time_graphs_interleaved).
-    for r in range(replays):
-        order = list(graphs.items()) if r % 2 == 0 else list(graphs.items())[::-1]
-        for k, g in order:
-            g.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) * 1000.0)
+    times = replay_interleaved(graphs, replays)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"B{b} {hq}/{hkv}/{d} L{length} (n={n}): us a call with {counts} calls a replay")
     slopes = {}
