@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gqa_torch  # noqa: E402
 from bench_decode import DECODE_GRID, DTYPE, sdpa_step  # noqa: E402
-from common import inplace_decode_step, ragged_lengths, time_graphs_interleaved, warm_up_gpu  # noqa: E402
+from common import decode_inputs, inplace_decode_step, ragged_lengths, time_graphs_interleaved, warm_up_gpu  # noqa: E402
 
 
 # Decode shapes of common models outside bench_decode's grid (`--models`; the fortieth round's
@@ -105,9 +105,7 @@ def time_row(b: int, hq: int, hkv: int, d: int, length: int, pins: list, low: "i
     A backend that cannot run the shape reads nan."""
     seqlens = None if low is None else (ragged_lengths(b, length, low) - 1).to(torch.int32).cuda()
     ours, n = inplace_decode_step(b, hq, hkv, d, length, DTYPE, seqlens)
-    ks = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    vs = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
+    qs, ks, vs, _ = decode_inputs(b, hq, hkv, d, length, n, DTYPE)  # SDPA's own sets
     steps = {"ours": ours, "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
     if flash:
         steps["flash"] = sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)

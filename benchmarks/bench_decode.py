@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import (HBM_DATASHEET_TBS, bar_plot, measure_hbm_read_tbs, progress, ragged_lengths, sets_for_bytes,
-                    time_graph, time_graphs_interleaved, warm_up_gpu, write_tables)
+from common import (HBM_DATASHEET_TBS, bar_plot, decode_inputs, measure_hbm_read_tbs, progress, ragged_lengths,
+                    sets_for_bytes, time_graph, time_graphs_interleaved, warm_up_gpu, write_tables)
 
 DECODE_GRID = [  # B, Hq, Hkv, D, L
     (1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768),
@@ -92,33 +92,13 @@ def time_flex(qs, ks, vs):
         return float("nan")
 
 
-def full_rows_inputs(b, hq, hkv, d, length, n):
-    """A grid row's inputs, every row full: n sets of queries [B, Hq, 1, D] and of K and V
-    caches [B, Hkv, L, D] (SDPA's layout), one new key and value, and our in-place call (append
-    + attention) on set i, whose queries are the same tensors seen as [B, 1, Hq D].
-    Returns (qs, ks, vs, ours)."""
-    ks = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    vs = [torch.randn(b, hkv, length, d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=DTYPE) for _ in range(n)]
-    new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=DTYPE)
-    seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
-    q_bsh = [q.transpose(1, 2).reshape(b, 1, hq * d) for q in qs]
-
-    def ours(i):
-        gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, ks[i], vs[i], seqlens,
-                                         num_heads=hq, kv_num_heads=hkv)
-
-    return qs, ks, vs, ours
-
-
 def decode_table(args):
     rows = []
     for b, hq, hkv, d, length in DECODE_GRID:
         kv_bytes = 2 * b * hkv * length * d * 2
         n = sets_for_bytes(kv_bytes)
         progress(f"decode B={b} {hq}/{hkv}/{d} L={length}: {kv_bytes / 1e6:.0f} MB K/V, {n} input sets")
-        qs, ks, vs, ours = full_rows_inputs(b, hq, hkv, d, length, n)
+        qs, ks, vs, ours = decode_inputs(b, hq, hkv, d, length, n, DTYPE)
         # Every column interleaved (common.time_graphs_interleaved), so that their ratios do not
         # carry the clocks' drift over the run: ours (auto), SDPA flash and cuDNN, and ours with
         # each of the decode kernel's loaders and merges pinned (a switch is read when the call

@@ -39,26 +39,38 @@ def sets_for_bytes(bytes_per_set: int, target: int = 400 << 20, cap: int = 64) -
     return max(1, min(cap, -(-target // max(1, bytes_per_set))))
 
 
-def inplace_decode_step(b: int, hq: int, hkv: int, d: int, length: int, dtype: torch.dtype,
-                        seqlens: "torch.Tensor | None" = None):
-    """One in-place decode call (gqa_torch.group_query_attention_: append + attention) on
-    input set i % n, for CUDA-graph timing as bench_decode.py times it: n sets of K/V caches
-    [B, Hkv, L, D] and queries [B, 1, Hq D], enough to exceed L2, one new key and value, and
-    seqlens_k (default: every row full). Returns (step, n)."""
+def decode_inputs(b: int, hq: int, hkv: int, d: int, length: int, n: int, dtype: torch.dtype,
+                  seqlens: "torch.Tensor | None" = None):
+    """n input sets of an in-place decode call: queries [B, Hq, 1, D] and K and V caches
+    [B, Hkv, L, D] (SDPA's layout), one new key and value, seqlens_k (default: every row full),
+    and our in-place call (gqa_torch.group_query_attention_: append + attention) on set i, whose
+    queries are the same tensors seen as [B, 1, Hq D]. Returns (qs, ks, vs, call)."""
     import gqa_torch  # (the benchmarks' own modules import it first; kept local for the others)
 
-    n = sets_for_bytes(2 * b * hkv * length * d * 2)
-    caches = [(torch.randn(b, hkv, length, d, device="cuda", dtype=dtype),
-               torch.randn(b, hkv, length, d, device="cuda", dtype=dtype)) for _ in range(n)]
-    qs = [torch.randn(b, 1, hq * d, device="cuda", dtype=dtype) for _ in range(n)]
+    ks = [torch.randn(b, hkv, length, d, device="cuda", dtype=dtype) for _ in range(n)]
+    vs = [torch.randn(b, hkv, length, d, device="cuda", dtype=dtype) for _ in range(n)]
+    qs = [torch.randn(b, hq, 1, d, device="cuda", dtype=dtype) for _ in range(n)]
     new_k = torch.randn(b, 1, hkv * d, device="cuda", dtype=dtype)
     new_v = torch.randn(b, 1, hkv * d, device="cuda", dtype=dtype)
     if seqlens is None:
         seqlens = torch.full((b,), length - 1, dtype=torch.int32, device="cuda")
+    q_bsh = [q.transpose(1, 2).reshape(b, 1, hq * d) for q in qs]
+
+    def call(i: int) -> None:
+        gqa_torch.group_query_attention_(q_bsh[i], new_k, new_v, ks[i], vs[i], seqlens, num_heads=hq, kv_num_heads=hkv)
+
+    return qs, ks, vs, call
+
+
+def inplace_decode_step(b: int, hq: int, hkv: int, d: int, length: int, dtype: torch.dtype,
+                        seqlens: "torch.Tensor | None" = None):
+    """One in-place decode call on input set i % n (decode_inputs), for CUDA-graph timing as
+    bench_decode.py times it, with n sets enough to exceed L2. Returns (step, n)."""
+    n = sets_for_bytes(2 * b * hkv * length * d * 2)
+    call = decode_inputs(b, hq, hkv, d, length, n, dtype, seqlens)[3]
 
     def step(i: int) -> None:
-        k, v = caches[i % n]
-        gqa_torch.group_query_attention_(qs[i % n], new_k, new_v, k, v, seqlens, num_heads=hq, kv_num_heads=hkv)
+        call(i % n)
 
     return step, n
 

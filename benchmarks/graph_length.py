@@ -28,8 +28,8 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gqa_torch  # noqa: E402
-from bench_decode import DECODE_GRID, full_rows_inputs, sdpa_step  # noqa: E402
-from common import capture_graph, replay_interleaved, sets_for_bytes, warm_up_gpu  # noqa: E402
+from bench_decode import DECODE_GRID, DTYPE, sdpa_step  # noqa: E402
+from common import capture_graph, decode_inputs, replay_interleaved, sets_for_bytes, warm_up_gpu  # noqa: E402
 
 
 def call_counts(kv_bytes: int) -> list:
@@ -49,7 +49,7 @@ def fit_line(xs: list, ys: list) -> tuple:
 def run_row(b, hq, hkv, d, length, replays):
     kv_bytes = 2 * b * hkv * length * d * 2
     n = sets_for_bytes(kv_bytes)
-    qs, ks, vs, ours = full_rows_inputs(b, hq, hkv, d, length, n)
+    qs, ks, vs, ours = decode_inputs(b, hq, hkv, d, length, n, DTYPE)
     steps = {"ours": ours, "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs),
              "flash": sdpa_step(SDPBackend.FLASH_ATTENTION, qs, ks, vs)}
     counts = sorted(set([max(n, 8)] + call_counts(kv_bytes)))  # bench_decode.py's length first
