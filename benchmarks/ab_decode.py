@@ -9,7 +9,8 @@ grid and any other shapes (CUDA-graph replays, inputs rotated beyond L2, as benc
 so that the ratio ours / cuDNN carries no drift of the clocks between runs. `--pins` adds our
 call with a switch pinned, interleaved with the rest: `splits=N` (the decode split count,
 _set_decode_split_override) or `merge=`, `loader=`, `schedule=`, `l2=`, `features=` (the _set_decode_*
-switches; `schedule=keep_splits` keeps the plan's splits for a batch of equal rows, `l2=on` and
+switches; `shares=GRID/KEYS` the balanced partition's grid and item weight, as `shares=two_per_sm/256`;
+`schedule=keep_splits` keeps the plan's splits for a batch of equal rows, `l2=on` and
 `l2=off` pin the L2 prefetch before the PDL wait, `features=general` the decode kernel with every
 feature compiled in); pins joined by `+` (`splits=1+schedule=longest_first`) make one column.
 Prints one line a row:
@@ -58,7 +59,14 @@ def split_override(value: str) -> None:
     gqa_torch._C._set_decode_split_override(0 if value == "auto" else int(value), 0)
 
 
-SWITCHES = {"splits": split_override, "merge": gqa_torch._C._set_decode_merge,
+def share_switch(value: str) -> None:
+    """`shares=GRID` or `shares=GRID/KEYS`: the balanced partition's grid (auto, items,
+    two_per_sm) and item weight in keys (the plan's without /KEYS), where the plan takes it."""
+    grid, _, keys = value.partition("/")
+    gqa_torch._C._set_decode_shares(grid, int(keys) if keys else -1)
+
+
+SWITCHES = {"splits": split_override, "shares": share_switch, "merge": gqa_torch._C._set_decode_merge,
             "loader": gqa_torch._C._set_decode_loader, "schedule": gqa_torch._C._set_decode_schedule,
             "l2": gqa_torch._C._set_decode_l2_prefetch, "features": gqa_torch._C._set_decode_features}
 
@@ -126,7 +134,7 @@ def main() -> None:
                         help="more shapes, each BxHqxHkvxDxL, or BxHqxHkvxDxLrLOW for a ragged batch of lengths "
                              "uniform in [LOW, L] (printed as rows 100, 101, ...)")
     parser.add_argument("--pins", nargs="*", default=[],
-                        help="columns of ours with a switch pinned, each name=value (splits, merge, loader, schedule, l2, "
+                        help="columns of ours with a switch pinned, each name=value (splits, shares, merge, loader, schedule, l2, "
                              "features), or several joined by '+'")
     parser.add_argument("--models", action="store_true",
                         help="add MODEL_SHAPES (common models' decode shapes) after --shapes")

@@ -1188,6 +1188,76 @@ def test_cuda_decode_nearly_equal_rows_one_cta_an_sm(schedule):
             _run_cuda_and_cpu(case)
 
 
+def _shares_shape():
+    """(batch, q heads, kv heads, capacity, plan) of a decode call whose plan takes the balanced
+    partition (Plan::shares, a grid of one CTA an SM): 3/32 of the SMs' count in rows of 8 kv
+    heads (12 rows, 96 items on an H200: between half the SMs and all of them), 8,256 keys. Two
+    query heads a kv head."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, hq, hkv, capacity = max(2, 3 * sms // 32), 16, 8, 8256
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    assert plan["shares"] == sms and plan["max_splits"] == 16, plan
+    return batch, hq, hkv, capacity, plan
+
+
+@pytest.mark.parametrize("dtype,features,grid,item_keys", [
+    ("bf16", [0, 1, 2, 3, 4, 0], "auto", -1), ("fp16", [4, 0, 2], "auto", -1),
+    ("bf16", [1, 0, 2], "auto", 0), ("bf16", [0, 3, 2], "items", 256), ("fp16", [2, 1, 0], "two_per_sm", 128),
+    ("bf16", [0, 4, 2], "auto", 5000)])
+def test_cuda_decode_shares(dtype, features, grid, item_keys):
+    """The balanced partition (Plan::shares), every CTA an equal share of the batch's keys: equal
+    rows (each item split over two CTAs, most CTAs serving the ends of two items), a ragged batch
+    (items split over up to a few CTAs, several short items in one CTA), and one full row among
+    rows of at most 65 keys (its items span many CTAs each, and many short items share one);
+    features, both ops and layouts, at head size 128, against the reference and the CPU
+    backend. Over the plan's grid and item weight, no weight, one CTA an item, two CTAs an SM,
+    and a weight past the short rows' keys (CTAs whose shares hold only the weight of an item,
+    and so serve none of its keys)."""
+    batch, hq, hkv, capacity, _ = _shares_shape()
+    rng = random.Random(61)
+    gqa_torch._C._set_decode_shares(grid, item_keys)
+    try:
+        _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity)
+    finally:
+        gqa_torch._C._set_decode_shares("auto", -1)
+
+
+def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity):
+    """test_cuda_decode_shares's cases, one a FEATURE_CYCLE index of `features`: in turn equal
+    rows, a ragged batch, and one full row among short ones."""
+    for j, i in enumerate(features):
+        if j % 3 == 0:
+            past = [capacity - 1] * batch
+        elif j % 3 == 1:
+            past = _ragged_pasts(rng, batch, capacity)
+        else:
+            past = [rng.randint(0, 64) for _ in range(batch)]
+            past[rng.randrange(batch)] = capacity - 1
+        case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
+                         head_dim=128, capacity=capacity, past_lengths=past, dtype=DTYPES[dtype], layout=j % 2,
+                         **FEATURE_CYCLE[i])
+        _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype,feature,nearly", [("bf16", 0, False), ("fp16", 3, False), ("bf16", 1, True)])
+def test_cuda_decode_shares_equal_rows_one_cta_an_item(dtype, feature, nearly):
+    """The balanced partition's equal rows whose items fill 84% of the grid or more: each CTA
+    serves one whole item (no merge), the CTAs past the items idle (shares_walk). Nearly equal
+    rows (one a key shorter) take the balanced shares instead. 14 rows of 8 kv heads (112 items
+    of 132 SMs on an H200), both ops, against the reference and the CPU backend."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, hq, hkv, capacity = max(2, -(-21 * sms // 200)), 16, 8, 8256
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    assert plan["shares"] == sms and 25 * batch * hkv >= 21 * sms, plan
+    past = [capacity - 1] * batch
+    if nearly:
+        past[batch // 2] -= 1
+    for op, layout in (("inplace", 0), ("functional", 1)):
+        case = make_case(op, batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
+                         past_lengths=past, dtype=DTYPES[dtype], layout=layout, **FEATURE_CYCLE[feature])
+        _run_cuda_and_cpu(case)
+
+
 def _two_waves_shape():
     """(batch, q heads, kv heads, capacity, plan) of a decode call whose plan runs a ragged batch
     in two waves (Plan::ragged_two_waves): SMs / 16 rows of 8 kv heads (8 on an H200), whose 4

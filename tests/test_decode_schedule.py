@@ -17,7 +17,7 @@ from gqa_torch import _C
     (32, 32, 8, 8192, 2, True),       # the ragged B32 row
     (64, 32, 8, 1024, 1, False),      # 512 CTAs, but splits of 1,024 keys of capacity
     (64, 32, 8, 2048, 1, True),       # ... and of 2,048
-    (16, 64, 8, 8192, 2, True),
+    (16, 64, 8, 8191, 2, True),       # (8,192 keys of capacity take the balanced partition: below)
     (2, 128, 1, 4096, 64, False),     # 2 x 64 splits x 8 head chunks of 16 query heads, 64 keys each
     (2, 128, 1, 262144, 64, True),    # ... of 4,096 keys
     (40, 16, 4, 2100, 2, True),       # 160 CTAs, two waves of them for a ragged batch
@@ -58,11 +58,11 @@ def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128
 
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,max_splits,equal_rows_splits", [
-    (16, 64, 8, 8192, 2, 1),    # bench_decode.py's B16 64/8 row: 128 of 132 SMs at one split
+    (16, 64, 8, 8191, 2, 1),    # 128 of 132 SMs at one split (8,192 keys take the balanced partition)
     (16, 64, 8, 4160, 2, 1),
     (33, 4, 4, 4096, 2, 1),     # 132 CTAs a split: every SM
-    (30, 32, 4, 8192, 2, 1),    # 120 CTAs a split: 91% of the SMs
-    (29, 32, 4, 8192, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
+    (30, 32, 4, 8191, 2, 1),    # 120 CTAs a split: 91% of the SMs
+    (29, 32, 4, 8191, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
     (17, 64, 8, 8192, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM
     (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
     (8, 32, 8, 16448, 5, 4),
@@ -86,9 +86,9 @@ def test_decode_plan_gives_equal_rows_one_wave(batch, hq, hkv, capacity, max_spl
 
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,one_cta_per_sm", [
-    (16, 64, 8, 8192, 128, True),    # bench_decode.py's B16 64/8 row: 256 CTAs of 2 splits, 264 slots
+    (16, 64, 8, 8191, 128, True),    # 256 CTAs of 2 splits, 264 slots (8,192 keys: the balanced partition)
     (16, 64, 8, 4160, 128, True),
-    (30, 32, 4, 8192, 128, True),    # 240 CTAs
+    (30, 32, 4, 8191, 128, True),    # 240 CTAs
     (33, 4, 4, 4096, 128, True),     # 264 CTAs: exactly one wave at two an SM
     (16, 64, 8, 8192, 64, False),    # measured at head size 128 only
     (16, 64, 8, 8192, 256, False),
@@ -121,7 +121,7 @@ def test_decode_plan_keeps_one_cta_an_sm_where_a_ragged_batch_would_be_one_wave(
     (8, 32, 8, 8192, 256, False, 0),
     (2, 32, 8, 32768, 128, False, 0),    # 32 splits: past the in-launch merge's 16
     (8, 32, 8, 32768, 128, False, 0),    # equal rows take 4 of the plan's 8 splits already
-    (16, 64, 8, 8192, 128, False, 15),   # one CTA an SM instead
+    (16, 64, 8, 8191, 128, False, 15),   # one CTA an SM instead
     (64, 32, 8, 8192, 128, False, 0),    # 512 CTAs: two waves already
     (8, 32, 8, 4096, 128, False, 0),     # 128 CTAs, fewer than the SMs: no ranking
     (1, 32, 8, 8192, 128, False, 0),
@@ -198,3 +198,34 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     where that leaves at most 1/16 of the SMs more idle (132 SMs)."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert plan["max_splits"] == max_splits, plan
+
+
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,takes_it", [
+    (16, 64, 8, 8192, 128, True),     # bench_decode.py's B16 64/8 row: 128 items
+    (12, 64, 8, 16384, 128, True),    # Llama 3 70B's heads, 12 rows: 96 items
+    (9, 64, 8, 16384, 128, True),     # 72: more than half the SMs
+    (30, 32, 4, 8192, 128, True),
+    (128, 4, 1, 8192, 128, True),     # the most rows the walk takes (one a thread of the CTA)
+    (8, 256, 8, 8192, 128, True),     # two head chunks of 16 query heads: 128 items
+    (8, 64, 8, 16384, 128, False),    # 64 items: half the SMs or fewer
+    (17, 64, 8, 8192, 128, False),    # 136: more than the SMs
+    (129, 4, 1, 8192, 128, False),    # more rows than the walk takes
+    (16, 64, 8, 8191, 128, False),    # rows of fewer than 8,192 keys of capacity
+    (16, 64, 8, 8192, 64, False),     # head size 128 only (the kernel is built there alone)
+    (16, 64, 8, 8192, 256, False),
+    (1, 32, 8, 32768, 128, False),    # one row
+])
+def test_decode_plan_takes_the_balanced_partition_where_items_fill_half_the_sms_to_all(batch, hq, hkv, capacity,
+                                                                                       head_dim, takes_it):
+    """Plan::shares: at head size 128, 2-128 rows of 8,192 keys of capacity or more whose items (row,
+    kv head, head chunk) number more than half the 132 SMs and at most all of them take a grid of
+    one CTA an SM, each walking an equal share of the batch's keys, each item weighed by its keys
+    plus 512; an item spans at most 16 CTAs (max_splits), and the grid-of-splits schedule is off."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
+    assert plan["shares"] == (132 if takes_it else 0), plan
+    assert plan["share_item_keys"] == (512 if takes_it else 0), plan
+    if takes_it:
+        assert plan["max_splits"] == 16, plan
+        assert not plan["longest_first"] and not plan["one_cta_per_sm"] and not plan["ragged_two_waves"], plan
+        assert plan["equal_rows_splits"] == plan["near_equal_sixteenths"] == plan["ragged_splits"] == 0, plan
+        assert plan["equal_rows_tail_splits"] == plan["equal_rows_tail_items"] == 0, plan

@@ -167,6 +167,37 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
       plan.equal_rows_tail_splits = static_cast<int32_t>(tail_splits);
       plan.equal_rows_tail_items = static_cast<int32_t>(tail);
     }
+    // A balanced partition (Plan::shares) where the items fill between half the SMs and all of
+    // them at one CTA each and the rows are long: a grid of one CTA an SM, each CTA an equal share
+    // of the batch's keys, each item weighed by its keys plus share_item_keys (what a segment
+    // costs besides its keys); an item spans at most kMaxInLaunchMergeSplits CTAs (shares_walk
+    // bounds the share from below). In the grid of splits, equal rows there either leave SMs
+    // idle or share SMs with leaving CTAs. H200, interleaved, us, this / the grid of splits
+    // (SDPA cuDNN), forty-ninth round (NOTES.md):
+    //   equal rows: B12 64/8 L16384 189.7 / 225.7 (188.2); B16 248.9 / 302.0 (242.3); B9 144.3 /
+    //   160.8 (161.3); B14 L8192 115.0 / 125.2 (110.0); B16 L8192 126.4 / 126.3 (123.3)
+    //   ragged, lengths from 256: B12 64/8 L8192 49.1 / 53.3; B16 L16384 167.4 / 176.2; B9
+    //   L16384 94.0 / 97.9; B15 L16384 117.2 / 117.4; B16 L32768 296.5 / 297.3; B30 32/4 L8192
+    //   72.5 / 72.8; B14 L8192 47.9 / 46.7 (2.5% slower)
+    // The item weight 512: ragged B12 64/8 L8192 at 0 / 192 / 320 / 512 keys 73.0 / 55.7 / 51.4
+    // / 49.4, B15 L16384 136.0 / 121.6 / 119.1 / 118.3 (one process; in another, 1,024 keys
+    // 52.8 and 120.7 against 49.1 and 117.2 at 512); equal rows level across weights. Taken
+    // wider, from 1/8 of the SMs' count of items, it ran 1-2.5% slower at B8 (64 items: B8 32/8
+    // L8192 67.7-67.9 against 66.1-66.3) and 3-4% faster at B5-B6.
+    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 && slots <= sms && 2 * slots > sms &&
+        p.capacity >= 8192) {
+      plan.shares = static_cast<int32_t>(sms);
+      plan.share_item_keys = 512;
+      plan.max_splits = kMaxInLaunchMergeSplits;
+      plan.longest_first = false;
+      plan.equal_rows_splits = 0;
+      plan.one_cta_per_sm = false;
+      plan.near_equal_sixteenths = 0;
+      plan.ragged_two_waves = false;
+      plan.equal_rows_tail_splits = 0;
+      plan.equal_rows_tail_items = 0;
+      plan.ragged_splits = 0;
+    }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
     // query blocks, so few CTAs would each stream the whole cache while most SMs idle. Then

@@ -74,6 +74,13 @@ struct Work {
   // record of its linear block index if that is below timeline_records; null: none.
   unsigned long long* timeline = nullptr;
   int32_t timeline_records = 0;
+  // Decode on tensor cores with the in-launch merge (Plan::shares): the grid's CTAs each take an
+  // equal share of the batch's keys (decode_schedule.cuh, shares_walk); 0: the grid of splits.
+  // (Last, so that the other fields keep their offsets in the kernels' parameters.)
+  int32_t shares = 0;
+  // Under shares: the keys' worth of time an item costs besides its keys (shares_walk weighs
+  // each item by its keys plus this; Plan::share_item_keys).
+  int32_t share_item_keys = 0;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -579,6 +586,12 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
 #if GQA_ASYNC_COPY_ENABLED
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Before a barrier's memory is initialised again (every phase it began has completed).
+__device__ __forceinline__ void mbarrier_inval(uint32_t bar) {
+#if GQA_ASYNC_COPY_ENABLED
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {

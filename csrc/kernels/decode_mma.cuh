@@ -179,7 +179,10 @@ __device__ __forceinline__ void l2_prefetch_rows(const T* src, int rows, int64_t
 // path: at B = 1 a warp ran about 1,460 instructions through one tile, and its largest stall
 // was waiting for instructions to be fetched (twenty-third round). kPlain compiles them out
 // (1,237 a warp; 7.56 against 6.27 us a call at B = 1, L = 1024: twenty-fourth round).
-template <typename T, int D, int kLoader, bool kPlain>
+// kShares (Work::shares): each CTA walks the segments of its share of the batch's keys
+// (shares_walk), running the body below once a segment; built only for the TMA loader at head
+// size 128 (launch_decode_kernel).
+template <typename T, int D, int kLoader, bool kPlain, bool kShares = false>
 __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
                       const __grid_constant__ DecodeCacheMaps maps) {
@@ -215,8 +218,9 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // row of that rank in decreasing length (which reads seqlens_k only, before the PDL wait, and
   // hands back the row's), and for a batch of equal rows that takes fewer splits than the grid
   // has, coordinates from the linear block index (decode_schedule.cuh).
-  const DecodeCta cta = decode_cta<Cfg::kThreads>(p, w);
-  if (cta.leave) return;
+  // One (row, kv head x head chunk, split): the whole CTA in the grid of splits, one segment of
+  // its share under kShares (a return below ends the segment).
+  auto run = [&](const DecodeCta& cta) {
   const RankedRow& ranked = cta.ranked;
   const int split = cta.split;
   const int kv_chunk = cta.kv_chunk;  // kv head x head chunk
@@ -258,10 +262,11 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // checks pass).
   const KeyRange vis = visible_keys(window, g.total, g.query_start);
   const int n = vis.hi - vis.lo;
-  const int active = active_splits(n, cta.splits, w.min_split_keys);
+  // (Under kShares the segment's keys and its item's count of CTAs come with it.)
+  const int active = kShares ? cta.splits : active_splits(n, cta.splits, w.min_split_keys);
   const int chunk = (n + active - 1) / active;
-  const int k0 = vis.lo + split * chunk;
-  const int k1 = min(vis.hi, k0 + chunk);
+  const int k0 = kShares ? vis.lo + cta.k_begin : vis.lo + split * chunk;
+  const int k1 = kShares ? min(vis.hi, vis.lo + cta.k_end) : min(vis.hi, k0 + chunk);
 
   auto aligned16 = [](const T* row, int64_t stride) {
     return ((reinterpret_cast<uintptr_t>(row) | static_cast<uintptr_t>(stride * sizeof(T))) & 15u) == 0;
@@ -933,6 +938,25 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   }
   decode_stamp(w, kDtExit);
   decode_stamp(w, kDtExitNs);
+  };
+  if constexpr (kShares) {
+    shares_walk<Cfg::kThreads>(p, w.share_item_keys, [&](const DecodeCta& segment, bool first) {
+      // The stage barriers are initialised again by the segment (every copy onto them has been
+      // waited for); PTX asks for them to be invalidated first.
+      if constexpr (kTma) {
+        if (!first && lane == 0) {
+          const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
+          for (int s = 0; s < kStages; ++s) mbarrier_inval(bars + 8u * s);
+        }
+      }
+      run(segment);
+      __syncthreads();  // the segment's stages, Q rows and combine buffer are read before the next one's copies
+    });
+  } else {
+    const DecodeCta cta = decode_cta<Cfg::kThreads>(p, w);
+    if (cta.leave) return;
+    run(cta);
+  }
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
@@ -975,6 +999,30 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   }
   const dim3 block(DecodeCfg<D, kLoader>::kThreads);
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
+  // Plan::shares: a grid of w.shares CTAs, each walking its share of the keys, merged in the
+  // launch (the plan's max_splits is the most CTAs an item spans). Built for the TMA loader at
+  // head size 128 only (launch_decode_mma_d takes it there); elsewhere the grid of splits.
+  if constexpr (D == 128 && kLoader == kLoadTma) {
+    if (w.shares > 0 && w.arrivals != nullptr && w.max_splits <= kMaxInLaunchMergeSplits) {
+      constexpr auto shares_kernel = decode_mma_kernel<T, D, kLoader, kPlain, true>;
+      Work ws = w;
+      ws.longest_first = 0;
+      ws.equal_rows_splits = 0;
+      ws.one_cta_per_sm = 0;
+      // A grid of at most one CTA an SM asks for more than half an SM's shared memory, so that
+      // no SM holds two shares while another idles (the shares are equal, so the SM that held
+      // two would finish last).
+      size_t smem = DecodeCfg<D, kLoader>::kSmem;
+      if (w.shares <= device_attribute<cudaDevAttrMultiProcessorCount>()) {
+        const int sm_bytes = device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>();
+        smem = std::max(smem, static_cast<size_t>(sm_bytes) / 2 + 1024);
+      }
+      ensure_smem<shares_kernel>(smem, "decode_mma_kernel");
+      launch_kernel("decode_mma_kernel", shares_kernel, dim3(w.shares), block, smem, stream, p, ws, fused ? 1 : 0,
+                    maps);
+      return true;
+    }
+  }
   // Auto has the last split merge up to 16 splits: interleaved on an H200 (twenty-first round)
   // it beat the merge kernel by 2-3% at B1 L8192 and L32768 (16 splits) and tied at B1 L1024 and
   // B8 L32768. At 14/2/64 (D = 64) it lost 10% at 16 splits then; since the count is one
@@ -1122,6 +1170,9 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   //   with longer splits: B32 L8192 (256 CTAs of 4,096 keys) 129.5-137.1 against 125.7-125.9,
   //   B16 L4096 41.8 against cp.async's 36.9.
   if constexpr (D == 128) {
+    // Plan::shares runs the TMA loader's own ring (its kernel is built for that loader only).
+    if (tma && w.shares > 0 && pinned == kPinLoaderAuto)
+      return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
     const bool one_ahead = ctas > sms && split_keys >= 1024 && split_keys <= 4096 && !equal_rows_one_wave;
     if (tma && ((pinned == kPinLoaderAuto && one_ahead) || pinned == kPinTmaOneAhead))
       return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);

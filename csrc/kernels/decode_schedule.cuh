@@ -94,6 +94,10 @@ struct DecodeCta {
   int kv_chunk;  // kv head x head chunk
   RankedRow ranked;
   bool leave;
+  // shares_walk: the segment's keys, [k_begin, k_end) of the item's visible ones (splits is then
+  // the exact count of CTAs the item spans, split this CTA's index among them).
+  int k_begin = 0;
+  int k_end = 0;
 };
 
 template <int kThreads>
@@ -151,6 +155,86 @@ __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
     c.ranked.seqlen = c.leave ? 0 : row_seqlens[c.ranked.row];
   }
   return c;
+}
+
+// Work::shares (Plan::shares): a balanced partition of the batch's keys over the grid. The items
+// (row, kv head x head chunk), in row order, lie end to end, each as long as its row's visible
+// keys (at least 1, so that a bad row's items still have a CTA to write their NaN) plus
+// `item_keys` positions before them that stand for what serving an item costs besides its keys
+// (its segment's checks, first round trip to memory and combine: Work::share_item_keys). CTA c
+// takes the positions [c W, (c + 1) W), W = max(ceil(total / CTAs), ceil(longest row / 15))
+// rounded up to a tile, so that an item's keys span at most 16 CTAs (the in-launch merge's count
+// and the workspace's room); for equal rows whose items nearly fill the grid, W is one item. It
+// serves the keys of each item its range meets as one segment, in order: `segment` gets a
+// DecodeCta whose split is the CTA's index among the CTAs that hold the item's keys and splits
+// their count, and whether the segment is the CTA's first. A range that meets only an item's
+// leading positions serves nothing of it. Called by every thread of the CTA.
+template <int kThreads, typename Segment>
+__device__ void shares_walk(const Params& p, int item_keys, Segment&& segment) {
+  __shared__ long long row_first[kThreads + 1];  // the position of each row's first item
+  __shared__ int row_keys[kThreads];
+  __shared__ int row_seqlen[kThreads];
+  __shared__ long long share;
+  const int tid = threadIdx.x;
+  const int kv_chunks = p.kv_heads * decode_head_chunks(p.group_size);
+  const int seqlen = tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0;
+  row_seqlen[tid] = seqlen;
+  row_keys[tid] = tid < p.batch ? max(1, schedule_row_keys(p, seqlen)) : 0;
+  __syncthreads();
+  if (tid == 0) {
+    long long pos = 0;
+    int longest = 0;
+    bool equal = true;
+    for (int r = 0; r < p.batch; ++r) {
+      row_first[r] = pos;
+      pos += (static_cast<long long>(row_keys[r]) + item_keys) * kv_chunks;
+      longest = max(longest, row_keys[r]);
+      equal = equal && row_keys[r] == row_keys[0];
+    }
+    row_first[p.batch] = pos;
+    const long long items = static_cast<long long>(p.batch) * kv_chunks;
+    if (equal && items <= gridDim.x && 25 * items >= 21 * static_cast<long long>(gridDim.x)) {
+      // Equal rows whose items fill 84% of the grid or more: one CTA an item, whole (no segment
+      // cut in two, no merge), the CTAs past them idle. Cutting the items to fill the rest cost
+      // more than those CTAs would stream. H200, forty-ninth round, us, this / the items cut:
+      // B16 64/8 L8192 126.4-126.6 / 130.2, B30 32/4 L8192 121.8 / 124.4 (B14 64/8 L8192 level:
+      // 114.9-115.0 / 115.4). With fewer items, fewer SMs stream too little: B12 64/8 L16384 in
+      // a grid of one CTA an item ran 205.1 against 190.4 with the items cut.
+      share = static_cast<long long>(row_keys[0]) + item_keys;
+    } else {
+      const long long by_grid = (pos + gridDim.x - 1) / gridDim.x;
+      const long long by_merge = (longest + 14) / 15;
+      share = (max(by_grid, by_merge) + 63) / 64 * 64;
+    }
+  }
+  __syncthreads();
+  const long long w = share;
+  const long long total = row_first[p.batch];
+  long long pos = static_cast<long long>(blockIdx.x) * w;
+  const long long end = min(total, pos + w);
+  int row = 0;
+  bool first = true;
+  while (pos < end) {
+    while (row_first[row + 1] <= pos) ++row;
+    const int n = row_keys[row];
+    const long long span = static_cast<long long>(n) + item_keys;  // an item's positions
+    const int kv_chunk = static_cast<int>((pos - row_first[row]) / span);
+    const long long keys_start = row_first[row] + kv_chunk * span + item_keys;
+    const long long keys_end = keys_start + n;
+    const long long seg_begin = max(pos, keys_start);
+    const long long seg_end = min(end, keys_end);
+    if (seg_begin < seg_end) {
+      const int first_cta = static_cast<int>(keys_start / w);
+      const int last_cta = static_cast<int>((keys_end - 1) / w);
+      DecodeCta c{static_cast<int>(blockIdx.x) - first_cta, last_cta - first_cta + 1, kv_chunk,
+                  RankedRow{row, row_seqlen[row], seqlen, false, false}, false};
+      c.k_begin = static_cast<int>(seg_begin - keys_start);
+      c.k_end = static_cast<int>(seg_end - keys_start);
+      segment(c, first);
+      first = false;
+    }
+    pos = keys_end;
+  }
 }
 
 }  // namespace detail

@@ -27,6 +27,8 @@ std::atomic<int> g_decode_features{0};
 std::atomic<int> g_decode_early_tiles{0};
 std::atomic<int> g_decode_l2_prefetch{0};
 std::atomic<int> g_decode_l2_fetch{0};
+std::atomic<int> g_decode_share_grid{0};
+std::atomic<int> g_decode_share_keys{-1};
 std::atomic<unsigned long long*> g_decode_timeline{nullptr};
 std::atomic<int> g_decode_timeline_records{0};
 }
@@ -38,6 +40,10 @@ void set_decode_features(int features) { detail::g_decode_features.store(feature
 void set_decode_early_tiles(int early) { detail::g_decode_early_tiles.store(early, std::memory_order_relaxed); }
 void set_decode_l2_prefetch(int prefetch) { detail::g_decode_l2_prefetch.store(prefetch, std::memory_order_relaxed); }
 bool decode_four_warps_256(int sm_major) { return detail::kBuiltSm90a && sm_major == 9; }
+void set_decode_shares(int grid, int item_keys) {
+  detail::g_decode_share_grid.store(grid, std::memory_order_relaxed);
+  detail::g_decode_share_keys.store(item_keys, std::memory_order_relaxed);
+}
 void set_decode_l2_fetch(int fetch) { detail::g_decode_l2_fetch.store(fetch, std::memory_order_relaxed); }
 #ifdef GQA_DECODE_TIMELINE
 bool decode_timeline_built() { return true; }
@@ -119,6 +125,19 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
       w.max_splits = plan.ragged_splits;  // (the workspace holds more)
       if (w.equal_rows_splits >= w.max_splits) w.equal_rows_splits = 0;
       if (w.max_splits <= 1) w.arrivals = nullptr;
+    }
+    // Plan::shares under auto's schedule and merge, where the stream has its arrival counters
+    // (the CTAs that share an item merge in the launch); otherwise the plan's grid of max_splits.
+    w.shares = tc && plan.shares > 0 && schedule == 0 && w.arrivals != nullptr &&
+                       detail::g_decode_merge.load(std::memory_order_relaxed) != 1
+                   ? plan.shares
+                   : 0;
+    if (w.shares > 0) {
+      const int share_grid = detail::g_decode_share_grid.load(std::memory_order_relaxed);
+      if (share_grid == 1) w.shares = static_cast<int32_t>(arrival_slots);
+      if (share_grid == 2) w.shares = 2 * plan.shares;
+      const int share_keys = detail::g_decode_share_keys.load(std::memory_order_relaxed);
+      w.share_item_keys = share_keys >= 0 ? share_keys : plan.share_item_keys;
     }
     w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;
     // The prefetched lines must survive in L2 until the wait ends, while the kernel before

@@ -87,6 +87,12 @@ void set_decode_l2_prefetch(int prefetch);
 // copies and regs_k's K loads always ask for 128 bytes (decode_mma.cuh says why).
 void set_decode_l2_fetch(int fetch);
 
+// Tests and benchmarks: the balanced partition's grid and item weight (Plan::shares, where the
+// plan takes it). grid: 0 the plan's (one CTA an SM), 1 one CTA a (row, kv head, head chunk)
+// item, 2 two CTAs an SM; item_keys: the keys' worth each item weighs besides its keys
+// (Plan::share_item_keys), -1 the plan's.
+void set_decode_shares(int grid, int item_keys);
+
 // Diagnostics (benchmarks/decode_timeline.py): the tensor-core decode kernel's per-CTA stamps
 // (decode_mma.cuh, DecodeTimelineField) into `records` ([count][16]), nullptr: off. Read when
 // a call is enqueued, as the switches are. The kernels stamp only in a build with

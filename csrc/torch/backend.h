@@ -97,6 +97,12 @@ void set_decode_l2_prefetch(const std::string& prefetch);
 // No-op in a CPU-only build.
 void set_decode_l2_fetch(const std::string& fetch);
 
+// Tests and benchmarks: the grid and item weight of the decode kernel's balanced partition
+// where the plan takes it (Plan::shares): grid "auto" (the plan's: one CTA an SM), "items" (one
+// CTA a row, kv head and head chunk) or "two_per_sm"; item_keys the keys' worth each item weighs
+// besides its keys, -1 for the plan's (Plan::share_item_keys). No-op in a CPU-only build.
+void set_decode_shares(const std::string& grid, int64_t item_keys);
+
 // Global debugging switch: every CUDA call checks the error word synchronously.
 void set_synchronous_errors(bool enabled);
 bool synchronous_errors();

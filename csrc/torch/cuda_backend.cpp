@@ -167,6 +167,19 @@ void set_decode_l2_fetch(const std::string& fetch) {
   set_switch(kFetch, fetch, "decode L2 fetch", GQA_CUDA_SWITCH(set_decode_l2_fetch));
 }
 
+void set_decode_shares(const std::string& grid, int64_t item_keys) {
+  // The index is the share grid code of kernels/launch.h.
+  static const char* const kGrids[] = {"auto", "items", "two_per_sm"};
+  TORCH_CHECK_VALUE(item_keys >= -1 && item_keys <= (1 << 20), "gqa: item_keys: expected -1..1048576, got ",
+                    item_keys);
+  const int code = switch_code(kGrids, grid, "decode share grid");
+#ifdef GQA_WITH_CUDA
+  cuda::set_decode_shares(code, static_cast<int>(item_keys));
+#else
+  (void)code;
+#endif
+}
+
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),
@@ -406,6 +419,7 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
     plan.equal_rows_tail_splits = 0;
     plan.equal_rows_tail_items = 0;
     plan.ragged_splits = 0;
+    plan.shares = 0;
     layout_workspace(plan, p);
   }
   // One allocation from PyTorch's caching allocator (stream-ordered and capture-safe), when

@@ -68,6 +68,10 @@ PYBIND11_MODULE(_C, m) {
         "decode kernel (the TMA maps' L2 promotion), \"auto\" (the default: the aligned 128 bytes around each), "
         "\"sectors\" (only those read), \"128B\" or \"256B\". Its cp.async copies and its K loads into registers "
         "always ask for 128 bytes.");
+  m.def("_set_decode_shares", &gqa::set_decode_shares, pybind11::arg("grid"), pybind11::arg("item_keys"),
+        "Tests and benchmarks: the grid of the decode kernel's balanced partition where the plan takes it, "
+        "\"auto\" (the plan's, one CTA an SM), \"items\" (one CTA a row, kv head and head chunk) or "
+        "\"two_per_sm\", and the keys' worth each item weighs besides its keys (-1: the plan's).");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count,
                            int32_t head_dim, bool four_warps_256) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0 ||
@@ -91,6 +95,8 @@ PYBIND11_MODULE(_C, m) {
     out["longest_first"] = plan.longest_first;
     out["equal_rows_splits"] = plan.equal_rows_splits;
     out["one_cta_per_sm"] = plan.one_cta_per_sm;
+    out["shares"] = plan.shares;
+    out["share_item_keys"] = plan.share_item_keys;
     out["near_equal_sixteenths"] = plan.near_equal_sixteenths;
     out["ragged_two_waves"] = plan.ragged_two_waves;
     out["equal_rows_tail_splits"] = plan.equal_rows_tail_splits;
