@@ -190,13 +190,7 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
       plan.share_item_keys = 512;
       plan.max_splits = kMaxInLaunchMergeSplits;
       plan.longest_first = false;
-      plan.equal_rows_splits = 0;
-      plan.one_cta_per_sm = false;
-      plan.near_equal_sixteenths = 0;
-      plan.ragged_two_waves = false;
-      plan.equal_rows_tail_splits = 0;
-      plan.equal_rows_tail_items = 0;
-      plan.ragged_splits = 0;
+      clear_split_grid_rules(plan);
     }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
@@ -222,6 +216,16 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
 
   layout_workspace(plan, p);
   return plan;
+}
+
+void clear_split_grid_rules(Plan& plan) {
+  plan.equal_rows_splits = 0;
+  plan.one_cta_per_sm = false;
+  plan.near_equal_sixteenths = 0;
+  plan.ragged_two_waves = false;
+  plan.equal_rows_tail_splits = 0;
+  plan.equal_rows_tail_items = 0;
+  plan.ragged_splits = 0;
 }
 
 void layout_workspace(Plan& plan, const Params& p) {

@@ -94,6 +94,11 @@ size_t align_workspace(size_t bytes);
 
 Plan make_plan(const Params& p, const DeviceInfo& device);
 
+// Turns off the decode grid of splits' own rules for batches of equal rows and for ragged
+// batches (equal_rows_splits, one_cta_per_sm, near_equal_sixteenths, ragged_two_waves, the
+// tail's splits, ragged_splits), which a pinned split count and the balanced partition replace.
+void clear_split_grid_rules(Plan& plan);
+
 // Fills plan.workspace from plan.route and plan.max_splits (make_plan calls it; a tuning hook
 // that changes max_splits calls it again).
 void layout_workspace(Plan& plan, const Params& p);

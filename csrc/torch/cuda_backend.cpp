@@ -412,13 +412,7 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
     if (plan.ragged_splits > 0) plan.max_splits = plan.ragged_splits;  // (no tail splits: the plan's own)
     if (g_split_override > 0) plan.max_splits = g_split_override;
     if (g_min_split_keys_override > 0) plan.min_split_keys = g_min_split_keys_override;
-    plan.equal_rows_splits = 0;  // (a batch of equal rows takes the pinned count too)
-    plan.one_cta_per_sm = false;
-    plan.near_equal_sixteenths = 0;
-    plan.ragged_two_waves = false;
-    plan.equal_rows_tail_splits = 0;
-    plan.equal_rows_tail_items = 0;
-    plan.ragged_splits = 0;
+    clear_split_grid_rules(plan);  // (a batch of equal rows takes the pinned count too)
     plan.shares = 0;
     layout_workspace(plan, p);
   }
