@@ -61,7 +61,7 @@ def split_override(value: str) -> None:
 
 def share_switch(value: str) -> None:
     """`shares=GRID` or `shares=GRID/KEYS`: the balanced partition's grid (auto, items,
-    two_per_sm) and item weight in keys (the plan's without /KEYS), where the plan takes it."""
+    two_per_sm, cut) and item weight in keys (the plan's without /KEYS), where the plan takes it."""
     grid, _, keys = value.partition("/")
     gqa_torch._C._set_decode_shares(grid, int(keys) if keys else -1)
 

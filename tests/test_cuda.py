@@ -1222,6 +1222,19 @@ def test_cuda_decode_shares(dtype, features, grid, item_keys):
         gqa_torch._C._set_decode_shares("auto", -1)
 
 
+@pytest.mark.parametrize("dtype,features", [("bf16", [2, 0, 1]), ("fp16", [3, 4, 0])])
+def test_cuda_decode_shares_more_items_than_sms(dtype, features):
+    """The balanced partition where the items outnumber the SMs (3/2 of them: 24 rows of 8 kv
+    heads on an H200), so that every CTA serves more than one item: equal rows, a ragged batch and
+    one full row among short ones, features, both ops and layouts, against the reference and the
+    CPU backend."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, hq, hkv, capacity = max(2, 3 * sms // 16), 16, 8, 8256
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    assert plan["shares"] == sms and batch * hkv > sms, plan
+    _run_shares_cases(random.Random(71), dtype, features, batch, hq, hkv, capacity)
+
+
 def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity):
     """test_cuda_decode_shares's cases, one a FEATURE_CYCLE index of `features`: in turn equal
     rows, a ragged batch, and one full row among short ones."""
@@ -1239,23 +1252,51 @@ def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity):
         _run_cuda_and_cpu(case)
 
 
-@pytest.mark.parametrize("dtype,feature,nearly", [("bf16", 0, False), ("fp16", 3, False), ("bf16", 1, True)])
-def test_cuda_decode_shares_equal_rows_one_cta_an_item(dtype, feature, nearly):
-    """The balanced partition's equal rows whose items fill 84% of the grid or more: each CTA
+@pytest.mark.parametrize("dtype,feature,nearly,grid", [
+    ("bf16", 0, False, "auto"), ("fp16", 3, False, "auto"), ("bf16", 1, True, "auto"), ("fp16", 2, False, "cut")])
+def test_cuda_decode_shares_equal_rows_one_cta_an_item(dtype, feature, nearly, grid):
+    """The balanced partition's equal rows whose items fill 7/8 of the grid or more: each CTA
     serves one whole item (no merge), the CTAs past the items idle (shares_walk). Nearly equal
-    rows (one a key shorter) take the balanced shares instead. 14 rows of 8 kv heads (112 items
-    of 132 SMs on an H200), both ops, against the reference and the CPU backend."""
+    rows (one a key shorter) take the balanced shares instead, and so do equal rows with the grid
+    "cut" pinned (nearly every CTA serves the end of one item and the start of the next, whose
+    first tiles it issues before its own merge). 15 rows of 8 kv heads (120 items of 132 SMs on
+    an H200), both ops, against the reference and the CPU backend."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch, hq, hkv, capacity = max(2, -(-21 * sms // 200)), 16, 8, 8256
+    batch, hq, hkv, capacity = max(2, -(-7 * sms // 64)), 16, 8, 8256
     plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
-    assert plan["shares"] == sms and 25 * batch * hkv >= 21 * sms, plan
+    assert plan["shares"] == sms and 8 * batch * hkv >= 7 * sms and batch * hkv <= sms, plan
     past = [capacity - 1] * batch
     if nearly:
         past[batch // 2] -= 1
-    for op, layout in (("inplace", 0), ("functional", 1)):
-        case = make_case(op, batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
-                         past_lengths=past, dtype=DTYPES[dtype], layout=layout, **FEATURE_CYCLE[feature])
-        _run_cuda_and_cpu(case)
+    gqa_torch._C._set_decode_shares(grid, -1)
+    try:
+        for op, layout in (("inplace", 0), ("functional", 1)):
+            case = make_case(op, batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
+                             past_lengths=past, dtype=DTYPES[dtype], layout=layout, **FEATURE_CYCLE[feature])
+            _run_cuda_and_cpu(case)
+    finally:
+        gqa_torch._C._set_decode_shares("auto", -1)
+
+
+@pytest.mark.parametrize("bad_row,grid", [(0, "auto"), ("middle", "auto"), ("last", "cut")])
+def test_cuda_decode_shares_bad_row(bad_row, grid):
+    """The bad-row checks under the balanced partition (fused in place), where the error word and
+    the row checks run in each CTA's first segment only and the first CTA raises the flags: a
+    ragged batch whose bad row (its length past the capacity) is the first, one in the middle
+    (its items no CTA's first segment) or the last. No cache byte changes, every output is NaN,
+    and check_errors() raises the capacity flag alone."""
+    batch, hq, hkv, capacity, _ = _shares_shape()
+    rng = random.Random(67)
+    past = _ragged_pasts(rng, batch, capacity)
+    row = {0: 0, "middle": batch // 2, "last": batch - 1}[bad_row]
+    case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
+                     past_lengths=past, strided=True, dtype=torch.bfloat16, device="cuda", poison_unused=False)
+    case.seqlens_k[row] = capacity  # total capacity + 1
+    gqa_torch._C._set_decode_shares(grid, -1)
+    try:
+        _check_row_past_capacity_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+    finally:
+        gqa_torch._C._set_decode_shares("auto", -1)
 
 
 def _two_waves_shape():

@@ -63,7 +63,7 @@ def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128
     (33, 4, 4, 4096, 2, 1),     # 132 CTAs a split: every SM
     (30, 32, 4, 8191, 2, 1),    # 120 CTAs a split: 91% of the SMs
     (29, 32, 4, 8191, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
-    (17, 64, 8, 8192, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM
+    (17, 64, 8, 8191, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM
     (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
     (8, 32, 8, 16448, 5, 4),
     (32, 32, 8, 8192, 2, 1),    # 256 CTAs a split: one wave at two an SM
@@ -92,7 +92,7 @@ def test_decode_plan_gives_equal_rows_one_wave(batch, hq, hkv, capacity, max_spl
     (33, 4, 4, 4096, 128, True),     # 264 CTAs: exactly one wave at two an SM
     (16, 64, 8, 8192, 64, False),    # measured at head size 128 only
     (16, 64, 8, 8192, 256, False),
-    (17, 64, 8, 8192, 128, False),   # 272 CTAs: two waves at two an SM already
+    (17, 64, 8, 8191, 128, False),   # 272 CTAs: two waves at two an SM already
     (16, 64, 8, 16384, 128, False),  # 4 splits: 512 CTAs
     (32, 32, 8, 8192, 128, False),   # equal rows take one split, but two CTAs an SM stream it
     (8, 32, 8, 32768, 128, False),   # equal rows take 4 splits: two CTAs an SM
@@ -208,17 +208,19 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     (128, 4, 1, 8192, 128, True),     # the most rows the walk takes (one a thread of the CTA)
     (8, 256, 8, 8192, 128, True),     # two head chunks of 16 query heads: 128 items
     (8, 64, 8, 16384, 128, False),    # 64 items: half the SMs or fewer
-    (17, 64, 8, 8192, 128, False),    # 136: more than the SMs
+    (17, 64, 8, 8192, 128, True),     # 136: more than the SMs
+    (28, 64, 8, 8192, 128, True),     # 224: at most 7/4 of the SMs
+    (29, 64, 8, 8192, 128, False),    # 232: more than that
     (129, 4, 1, 8192, 128, False),    # more rows than the walk takes
     (16, 64, 8, 8191, 128, False),    # rows of fewer than 8,192 keys of capacity
     (16, 64, 8, 8192, 64, False),     # head size 128 only (the kernel is built there alone)
     (16, 64, 8, 8192, 256, False),
     (1, 32, 8, 32768, 128, False),    # one row
 ])
-def test_decode_plan_takes_the_balanced_partition_where_items_fill_half_the_sms_to_all(batch, hq, hkv, capacity,
-                                                                                       head_dim, takes_it):
+def test_decode_plan_takes_the_balanced_partition_from_half_the_sms_to_7_4_of_them(batch, hq, hkv, capacity,
+                                                                                   head_dim, takes_it):
     """Plan::shares: at head size 128, 2-128 rows of 8,192 keys of capacity or more whose items (row,
-    kv head, head chunk) number more than half the 132 SMs and at most all of them take a grid of
+    kv head, head chunk) number more than half the 132 SMs and at most 7/4 of them take a grid of
     one CTA an SM, each walking an equal share of the batch's keys, each item weighed by its keys
     plus 512; an item spans at most 16 CTAs (max_splits), and the grid-of-splits schedule is off."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)

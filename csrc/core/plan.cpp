@@ -167,8 +167,8 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
       plan.equal_rows_tail_splits = static_cast<int32_t>(tail_splits);
       plan.equal_rows_tail_items = static_cast<int32_t>(tail);
     }
-    // A balanced partition (Plan::shares) where the items fill between half the SMs and all of
-    // them at one CTA each and the rows are long: a grid of one CTA an SM, each CTA an equal share
+    // A balanced partition (Plan::shares) where the items number more than half the SMs and at
+    // most 7/4 of them and the rows are long: a grid of one CTA an SM, each CTA an equal share
     // of the batch's keys, each item weighed by its keys plus share_item_keys (what a segment
     // costs besides its keys); an item spans at most kMaxInLaunchMergeSplits CTAs (shares_walk
     // bounds the share from below). In the grid of splits, equal rows there either leave SMs
@@ -184,7 +184,13 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // 52.8 and 120.7 against 49.1 and 117.2 at 512); equal rows level across weights. Taken
     // wider, from 1/8 of the SMs' count of items, it ran 1-2.5% slower at B8 (64 items: B8 32/8
     // L8192 67.7-67.9 against 66.1-66.3) and 3-4% faster at B5-B6.
-    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 && slots <= sms && 2 * slots > sms &&
+    // Past the SMs' count (fiftieth round, the TMA ring carried across segments), where the grid
+    // of splits gives some SMs two items and others one: B24 64/8 L8192 (192 items) 186.0 against
+    // 221.3 (cuDNN 191.0), B40 32/8 L16384 lengths from 4,096 (320 items) 350.8 against 382.0;
+    // level or slower from about twice the SMs (B32 32/8 L8192, 256 items, 240.5 against 239.1;
+    // B64 L8192 473.3 against 469.6, with lengths from 256 274.9 against 264.6; B128 L2048 258.9
+    // against 244.5), and far slower on short rows (B64 L1024 77.8 against 65.2).
+    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 && 4 * slots <= 7 * sms && 2 * slots > sms &&
         p.capacity >= 8192) {
       plan.shares = static_cast<int32_t>(sms);
       plan.share_item_keys = 512;

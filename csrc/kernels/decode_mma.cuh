@@ -218,9 +218,19 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // row of that rank in decreasing length (which reads seqlens_k only, before the PDL wait, and
   // hands back the row's), and for a batch of equal rows that takes fewer splits than the grid
   // has, coordinates from the linear block index (decode_schedule.cuh).
+  // kShares: the CTA's TMA ring carries on from one segment to the next. The stage barriers are
+  // initialised once, so each warp keeps the parity of each of its stage barriers (bit s of
+  // ring_phase: a warp waits on a stage only where it loaded its slice); the error word and the
+  // fused row checks run in the first segment only (cta_bad), since they are the call's, not
+  // the item's; and each segment issues the next one's first tiles before its own partials and
+  // merge (next_tiles_issued), so that their round trip to memory overlaps them.
+  uint32_t ring_phase = 0;
+  bool cta_bad = false;
+  bool next_tiles_issued = false;
   // One (row, kv head x head chunk, split): the whole CTA in the grid of splits, one segment of
-  // its share under kShares (a return below ends the segment).
-  auto run = [&](const DecodeCta& cta) {
+  // its share under kShares (a return below ends the segment), where `first` says whether it is
+  // the CTA's first and `has_next` whether `next` is the CTA's next segment.
+  auto run = [&](const DecodeCta& cta, const bool first, const bool has_next, const DecodeCta& next) {
   const RankedRow& ranked = cta.ranked;
   const int split = cta.split;
   const int kv_chunk = cta.kv_chunk;  // kv head x head chunk
@@ -237,7 +247,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // Work that reads nothing an earlier kernel writes runs before the PDL wait, under the tail of
   // the kernel before: this warp's stage barriers, and the tensor maps' prefetch.
   const uint32_t slice_bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
-  if constexpr (kTma) {
+  if (kTma && (!kShares || first)) {
     if (lane == 0) {
       for (int s = 0; s < kStages; ++s) mbarrier_init(slice_bars + 8u * s, 1);
       if (warp == 0) {
@@ -254,9 +264,10 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // path after the wait. (The row's geometry and this split's part of its keys are written here
   // too, but nvcc 13.0 places the split's division after the wait, where they are first used;
   // the branch wip/decode-prewait-settle pins them before it.)
-  const int seqlen = w.longest_first ? ranked.seqlen : pdl_early_read(p.seqlens_k + b);
+  // (Under kShares the walk has read them.)
+  const int seqlen = kShares || w.longest_first ? ranked.seqlen : pdl_early_read(p.seqlens_k + b);
   const int first_check_seqlen =
-      w.longest_first ? ranked.own : (fused && tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0);
+      kShares || w.longest_first ? ranked.own : (fused && tid < p.batch ? pdl_early_read(p.seqlens_k + tid) : 0);
   const RowGeometry g = row_geometry(p, seqlen);
   // The one query token sits at position query_start; it sees [lo, hi) (used once the row
   // checks pass).
@@ -294,12 +305,14 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     if (aligned16(q_first, qs.head)) l2_prefetch_rows<D>(q_first, nh, qs.head, (tid + 64) % Cfg::kThreads, Cfg::kThreads);
   }
 
-  pdl_wait();
-  pdl_launch_dependents();
+  if (!kShares || first) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   decode_stamp(w, kDtWaited);
 
   // The error word may be set by the kernel just before: after the wait.
-  const uint32_t word = tid == 0 ? read_error_word(p.error_word) : 0u;
+  const uint32_t word = tid == 0 && (!kShares || first) ? read_error_word(p.error_word) : 0u;
   // Q's 16-byte units, and in fused mode the new key's and value's, go into registers right
   // after the PDL wait (they may be the kernel before's output): their memory round trip
   // overlaps the error word's, the row checks and the first K/V loads instead of following
@@ -404,19 +417,33 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       return kv_s + stage * 2 * kTile * kStride + (v ? kTile * kStride : 0) + (kw + r) * kStride + c * 8;
     }
   };
-  auto load_slice = [&](int tile, int stage) {
-    if (lane != 0 || slice_keys(tile) <= 0) return;
+  // Of the keys [kb, ke) of row row_b and kv head kv_head (this segment's, or under kShares the
+  // next one's).
+  auto load_slice_of = [&](int kb, int ke, int kv_head, int row_b, int tile, int stage) {
+    const int row = kb + tile * kTile + kw;
+    if (lane != 0 || min(kSliceKeys, ke - row) <= 0) return;
     const uint32_t bar = slice_bars + 8u * stage;
     mbarrier_arrive_expect_bytes(bar, static_cast<uint32_t>((kRegK ? 1 : 2) * Cfg::kSliceBytes));
-    const int row = k0 + tile * kTile + kw;
 #pragma unroll
     for (int cb = 0; cb < D / 64; ++cb) {
       if constexpr (!kRegK) {
         tma_load_4d(static_cast<uint32_t>(__cvta_generic_to_shared(slice_chunk(stage, false, 0, cb * 8))), &maps.k,
-                    cb * 64, row, kvh, b, bar);
+                    cb * 64, row, kv_head, row_b, bar);
       }
       tma_load_4d(static_cast<uint32_t>(__cvta_generic_to_shared(slice_chunk(stage, true, 0, cb * 8))), &maps.v,
-                  cb * 64, row, kvh, b, bar);
+                  cb * 64, row, kv_head, row_b, bar);
+    }
+  };
+  auto load_slice = [&](int tile, int stage) { load_slice_of(k0, k1, kvh, b, tile, stage); };
+  // The parity this warp waits for on its barrier of `stage` for the segment's tile `tile`
+  // (kShares: the warp's running parity, which the wait flips).
+  auto stage_parity = [&](int tile, int stage) -> uint32_t {
+    if constexpr (kShares) {
+      const uint32_t parity = (ring_phase >> stage) & 1u;
+      ring_phase ^= 1u << stage;
+      return parity;
+    } else {
+      return static_cast<uint32_t>(tile / kStages) & 1u;
     }
   };
 
@@ -461,10 +488,21 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // them; at one tile a warp this chain is the call. Only for a valid row's non-empty split,
   // whose keys lie inside the capacity. Should the checks then fail, the CTA waits for those
   // copies before it leaves (drain_first_tiles).
-  const bool early = w.early_tiles != 0 && g.flags == 0 && split < active && k0 < k1;
+  // kShares: the segment before issued this one's first tiles.
+  const bool tiles_issued = kShares && next_tiles_issued;
+  if constexpr (kShares) next_tiles_issued = false;
+  const bool early =
+      !tiles_issued && !(kShares && cta_bad) && w.early_tiles != 0 && g.flags == 0 && split < active && k0 < k1;
   if (early) issue_first_tiles();
   auto drain_first_tiles = [&]() {
-    if constexpr (kTma) {
+    if constexpr (kTma && kShares) {
+      for (int s = 0; s < Cfg::kAhead && s < ntiles; ++s) {
+        if (slice_keys(s) > 0) {
+          const uint32_t parity = stage_parity(s, s);  // (every lane keeps the warp's parities)
+          if (lane == 0) mbarrier_wait(slice_bars + 8u * s, parity);
+        }
+      }
+    } else if constexpr (kTma) {
       if (lane == 0) {
         for (int s = 0; s < Cfg::kAhead && s < ntiles; ++s) {
           if (slice_keys(s) > 0) mbarrier_wait(slice_bars + 8u * s, 0);
@@ -476,19 +514,29 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   };
 
   uint32_t bad = g.flags | word;
-  if (fused) {
+  if (fused && (!kShares || first)) {
     for (int bb = tid; bb < p.batch; bb += Cfg::kThreads) {
       const RowGeometry gb = row_geometry(p, bb == tid ? first_check_seqlen : p.seqlens_k[bb]);
       uint32_t f = gb.flags;
       if (f == 0 && rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
       if (f != 0) {
         bad |= f;
-        if (bb == b && split == 0 && kv_chunk == 0) atomicOr(p.error_word, f);
+        // One CTA sets each bad row's flags: under kShares the first CTA (a row's item may be
+        // no CTA's first segment), else the row's first split of its first kv chunk.
+        if (kShares ? blockIdx.x == 0 : bb == b && split == 0 && kv_chunk == 0) atomicOr(p.error_word, f);
       }
     }
   }
-  if (__syncthreads_or(bad != 0)) {
-    if (early) drain_first_tiles();
+  // kShares: the call's checks ran in the CTA's first segment; a later one adds its own row's.
+  bool failed;
+  if (kShares && !first) {
+    failed = cta_bad || g.flags != 0;
+  } else {
+    failed = __syncthreads_or(bad != 0) != 0;
+    if constexpr (kShares) cta_bad = failed;
+  }
+  if (failed) {
+    if (early || tiles_issued) drain_first_tiles();
     if (split == 0) {
       for (int i = tid; i < nh * D; i += Cfg::kThreads) {
         const int r = i / D;
@@ -525,7 +573,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   }
 
   decode_stamp(w, kDtChecked);
-  if (!early) issue_first_tiles();
+  if (!early && !tiles_issued) issue_first_tiles();
 
   // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, after the
   // first V slices and before the Q rows, so that a split of one or two tiles waits for one
@@ -676,7 +724,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       }
       const int valid = slice_keys(tile);
       if (valid <= 0) return;  // this warp's keys are all past the end
-      mbarrier_wait(slice_bars + 8u * stage, (tile / kStages) & 1);
+      mbarrier_wait(slice_bars + 8u * stage, stage_parity(tile, stage));
       if (valid < kSliceKeys) {
         for (int i = lane; i < (kSliceKeys - valid) * Cfg::kChunks; i += 32) {
           const int r = valid + i / Cfg::kChunks;
@@ -933,6 +981,26 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       if (d == 0) w.partial_lse[slot] = M + fast_log2(L);
     }
   }
+  // kShares: the next segment's first tiles go out now, before this one's count and merge: every
+  // stage is free once every warp has read the combine buffer (the stages) above. Only for a
+  // valid row's non-empty segment, whose keys lie inside the capacity (the CTA's checks passed).
+  if constexpr (kShares) {
+    if (has_next) {
+      const RowGeometry ng = row_geometry(p, next.ranked.seqlen);
+      const KeyRange nvis = visible_keys(window, ng.total, ng.query_start);
+      const int nk0 = nvis.lo + next.k_begin;
+      const int nk1 = min(nvis.hi, nvis.lo + next.k_end);
+      if (ng.flags == 0 && nk0 < nk1) {
+        generic_to_async_proxy();  // each thread's reads of the stages, before the copies into them
+        __syncthreads();
+        const int nkvh = hchunks == 1 ? next.kv_chunk : next.kv_chunk / hchunks;
+        const int ntiles_next = (nk1 - nk0 + kTile - 1) / kTile;
+#pragma unroll 1
+        for (int s = 0; s < Cfg::kAhead && s < ntiles_next; ++s) load_slice_of(nk0, nk1, nkvh, next.ranked.row, s, s);
+        next_tiles_issued = true;
+      }
+    }
+  }
   if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, p.kv_heads * hchunks, b, kv_chunk), active)) {
     arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
@@ -940,22 +1008,15 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   decode_stamp(w, kDtExitNs);
   };
   if constexpr (kShares) {
-    shares_walk<Cfg::kThreads>(p, w.share_item_keys, [&](const DecodeCta& segment, bool first) {
-      // The stage barriers are initialised again by the segment (every copy onto them has been
-      // waited for); PTX asks for them to be invalidated first.
-      if constexpr (kTma) {
-        if (!first && lane == 0) {
-          const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(&slice_full[warp * kStages]));
-          for (int s = 0; s < kStages; ++s) mbarrier_inval(bars + 8u * s);
-        }
-      }
-      run(segment);
-      __syncthreads();  // the segment's stages, Q rows and combine buffer are read before the next one's copies
-    });
+    shares_walk<Cfg::kThreads>(p, w.share_item_keys, w.share_whole_items != 0,
+                               [&](const DecodeCta& segment, bool first, bool has_next, const DecodeCta& next) {
+                                 run(segment, first, has_next, next);
+                                 __syncthreads();  // the segment's Q rows and new key are read before the next one's
+                               });
   } else {
     const DecodeCta cta = decode_cta<Cfg::kThreads>(p, w);
     if (cta.leave) return;
-    run(cta);
+    run(cta, true, false, cta);
   }
 }
 
@@ -1005,10 +1066,6 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   if constexpr (D == 128 && kLoader == kLoadTma) {
     if (w.shares > 0 && w.arrivals != nullptr && w.max_splits <= kMaxInLaunchMergeSplits) {
       constexpr auto shares_kernel = decode_mma_kernel<T, D, kLoader, kPlain, true>;
-      Work ws = w;
-      ws.longest_first = 0;
-      ws.equal_rows_splits = 0;
-      ws.one_cta_per_sm = 0;
       // A grid of at most one CTA an SM asks for more than half an SM's shared memory, so that
       // no SM holds two shares while another idles (the shares are equal, so the SM that held
       // two would finish last).
@@ -1018,8 +1075,7 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
         smem = std::max(smem, static_cast<size_t>(sm_bytes) / 2 + 1024);
       }
       ensure_smem<shares_kernel>(smem, "decode_mma_kernel");
-      launch_kernel("decode_mma_kernel", shares_kernel, dim3(w.shares), block, smem, stream, p, ws, fused ? 1 : 0,
-                    maps);
+      launch_kernel("decode_mma_kernel", shares_kernel, dim3(w.shares), block, smem, stream, p, w, fused ? 1 : 0, maps);
       return true;
     }
   }

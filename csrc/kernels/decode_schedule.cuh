@@ -161,16 +161,18 @@ __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
 // (row, kv head x head chunk), in row order, lie end to end, each as long as its row's visible
 // keys (at least 1, so that a bad row's items still have a CTA to write their NaN) plus
 // `item_keys` positions before them that stand for what serving an item costs besides its keys
-// (its segment's checks, first round trip to memory and combine: Work::share_item_keys). CTA c
-// takes the positions [c W, (c + 1) W), W = max(ceil(total / CTAs), ceil(longest row / 15))
+// (its segment's first round trip to memory, its combine and its merge: Work::share_item_keys).
+// CTA c takes the positions [c W, (c + 1) W), W = max(ceil(total / CTAs), ceil(longest row / 15))
 // rounded up to a tile, so that an item's keys span at most 16 CTAs (the in-launch merge's count
-// and the workspace's room); for equal rows whose items nearly fill the grid, W is one item. It
-// serves the keys of each item its range meets as one segment, in order: `segment` gets a
-// DecodeCta whose split is the CTA's index among the CTAs that hold the item's keys and splits
-// their count, and whether the segment is the CTA's first. A range that meets only an item's
-// leading positions serves nothing of it. Called by every thread of the CTA.
+// and the workspace's room); with `whole_items`, for equal rows whose items fill 7/8 of the grid
+// or more, W is one item. It serves the keys of each item its range meets as one segment, in order:
+// `segment` gets a DecodeCta whose split is the CTA's index among the CTAs that hold the item's
+// keys and splits their count, whether the segment is the CTA's first, and whether the CTA has
+// a next segment and which, so that the kernel can start that one's loads early. A range
+// that meets only an item's leading positions serves nothing of it. Called by every thread of
+// the CTA.
 template <int kThreads, typename Segment>
-__device__ void shares_walk(const Params& p, int item_keys, Segment&& segment) {
+__device__ void shares_walk(const Params& p, int item_keys, bool whole_items, Segment&& segment) {
   __shared__ long long row_first[kThreads + 1];  // the position of each row's first item
   __shared__ int row_keys[kThreads];
   __shared__ int row_seqlen[kThreads];
@@ -193,13 +195,14 @@ __device__ void shares_walk(const Params& p, int item_keys, Segment&& segment) {
     }
     row_first[p.batch] = pos;
     const long long items = static_cast<long long>(p.batch) * kv_chunks;
-    if (equal && items <= gridDim.x && 25 * items >= 21 * static_cast<long long>(gridDim.x)) {
-      // Equal rows whose items fill 84% of the grid or more: one CTA an item, whole (no segment
+    if (whole_items && equal && items <= gridDim.x && 8 * items >= 7 * static_cast<long long>(gridDim.x)) {
+      // Equal rows whose items fill 7/8 of the grid or more: one CTA an item, whole (no segment
       // cut in two, no merge), the CTAs past them idle. Cutting the items to fill the rest cost
-      // more than those CTAs would stream. H200, forty-ninth round, us, this / the items cut:
-      // B16 64/8 L8192 126.4-126.6 / 130.2, B30 32/4 L8192 121.8 / 124.4 (B14 64/8 L8192 level:
-      // 114.9-115.0 / 115.4). With fewer items, fewer SMs stream too little: B12 64/8 L16384 in
-      // a grid of one CTA an item ran 205.1 against 190.4 with the items cut.
+      // more than those CTAs would stream. H200, fiftieth round (the TMA ring carried across
+      // segments), us, this / the items cut (Work::share_whole_items): B16 64/8 L8192 (128
+      // items) 122.2 / 127.1, B30 32/4 L8192 (120) 117.1 / 120.2; but B14 64/8 L8192 (112, 85%)
+      // 115.6 / 112.1. With fewer items, fewer SMs stream too little: B12 64/8 L16384 in a grid
+      // of one CTA an item ran 205.1 against 190.4 with the items cut (forty-ninth round).
       share = static_cast<long long>(row_keys[0]) + item_keys;
     } else {
       const long long by_grid = (pos + gridDim.x - 1) / gridDim.x;
@@ -213,27 +216,39 @@ __device__ void shares_walk(const Params& p, int item_keys, Segment&& segment) {
   long long pos = static_cast<long long>(blockIdx.x) * w;
   const long long end = min(total, pos + w);
   int row = 0;
-  bool first = true;
-  while (pos < end) {
-    while (row_first[row + 1] <= pos) ++row;
-    const int n = row_keys[row];
-    const long long span = static_cast<long long>(n) + item_keys;  // an item's positions
-    const int kv_chunk = static_cast<int>((pos - row_first[row]) / span);
-    const long long keys_start = row_first[row] + kv_chunk * span + item_keys;
-    const long long keys_end = keys_start + n;
-    const long long seg_begin = max(pos, keys_start);
-    const long long seg_end = min(end, keys_end);
-    if (seg_begin < seg_end) {
-      const int first_cta = static_cast<int>(keys_start / w);
-      const int last_cta = static_cast<int>((keys_end - 1) / w);
-      DecodeCta c{static_cast<int>(blockIdx.x) - first_cta, last_cta - first_cta + 1, kv_chunk,
-                  RankedRow{row, row_seqlen[row], seqlen, false, false}, false};
-      c.k_begin = static_cast<int>(seg_begin - keys_start);
-      c.k_end = static_cast<int>(seg_end - keys_start);
-      segment(c, first);
-      first = false;
+  // The next segment of [pos, end) into c; false when none is left.
+  auto advance = [&](DecodeCta& c) {
+    while (pos < end) {
+      while (row_first[row + 1] <= pos) ++row;
+      const int n = row_keys[row];
+      const long long span = static_cast<long long>(n) + item_keys;  // an item's positions
+      const int kv_chunk = static_cast<int>((pos - row_first[row]) / span);
+      const long long keys_start = row_first[row] + kv_chunk * span + item_keys;
+      const long long keys_end = keys_start + n;
+      const long long seg_begin = max(pos, keys_start);
+      const long long seg_end = min(end, keys_end);
+      pos = keys_end;
+      if (seg_begin < seg_end) {
+        const int first_cta = static_cast<int>(keys_start / w);
+        const int last_cta = static_cast<int>((keys_end - 1) / w);
+        c = DecodeCta{static_cast<int>(blockIdx.x) - first_cta, last_cta - first_cta + 1, kv_chunk,
+                      RankedRow{row, row_seqlen[row], seqlen, false, false}, false};
+        c.k_begin = static_cast<int>(seg_begin - keys_start);
+        c.k_end = static_cast<int>(seg_end - keys_start);
+        return true;
+      }
     }
-    pos = keys_end;
+    return false;
+  };
+  DecodeCta current, next;
+  bool have = advance(current);
+  bool first = true;
+  while (have) {
+    const bool have_next = advance(next);
+    segment(current, first, have_next, next);
+    current = next;
+    have = have_next;
+    first = false;
   }
 }
 

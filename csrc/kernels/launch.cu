@@ -138,6 +138,7 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
       if (share_grid == 2) w.shares = 2 * plan.shares;
       const int share_keys = detail::g_decode_share_keys.load(std::memory_order_relaxed);
       w.share_item_keys = share_keys >= 0 ? share_keys : plan.share_item_keys;
+      w.share_whole_items = share_grid == 3 ? 0 : 1;
     }
     w.early_tiles = detail::g_decode_early_tiles.load(std::memory_order_relaxed) != 1 ? 1 : 0;
     // The prefetched lines must survive in L2 until the wait ends, while the kernel before

@@ -99,7 +99,8 @@ void set_decode_l2_fetch(const std::string& fetch);
 
 // Tests and benchmarks: the grid and item weight of the decode kernel's balanced partition
 // where the plan takes it (Plan::shares): grid "auto" (the plan's: one CTA an SM), "items" (one
-// CTA a row, kv head and head chunk) or "two_per_sm"; item_keys the keys' worth each item weighs
+// CTA a row, kv head and head chunk), "two_per_sm" or "cut" (the plan's, with the items of equal
+// rows cut as any others are, never one CTA an item); item_keys the keys' worth each item weighs
 // besides its keys, -1 for the plan's (Plan::share_item_keys). No-op in a CPU-only build.
 void set_decode_shares(const std::string& grid, int64_t item_keys);
 

@@ -169,7 +169,7 @@ void set_decode_l2_fetch(const std::string& fetch) {
 
 void set_decode_shares(const std::string& grid, int64_t item_keys) {
   // The index is the share grid code of kernels/launch.h.
-  static const char* const kGrids[] = {"auto", "items", "two_per_sm"};
+  static const char* const kGrids[] = {"auto", "items", "two_per_sm", "cut"};
   TORCH_CHECK_VALUE(item_keys >= -1 && item_keys <= (1 << 20), "gqa: item_keys: expected -1..1048576, got ",
                     item_keys);
   const int code = switch_code(kGrids, grid, "decode share grid");
