@@ -1299,6 +1299,28 @@ def test_cuda_decode_shares_bad_row(bad_row, grid):
         gqa_torch._C._set_decode_shares("auto", -1)
 
 
+def test_cuda_decode_shares_bad_position_among_short_rows():
+    """A bad position (past the RoPE tables) under the balanced partition, fused in place, where
+    every row holds at most 9 keys: each CTA's share is then shorter than an item's weight, so
+    the first CTA serves nothing (shares_walk) and another must raise the flags. No cache byte
+    changes, every output is NaN, and check_errors() raises the position flag alone."""
+    batch, hq, hkv, capacity, _ = _shares_shape()
+    rng = random.Random(73)
+    past = [rng.randint(0, 8) for _ in range(batch)]
+    case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
+                     past_lengths=past, strided=True, rotary="half", position_ids="offset", max_positions=32,
+                     dtype=torch.bfloat16, device="cuda", poison_unused=False)
+    case.position_ids[batch // 2, 0] = 32
+    before = case.clone()
+    out = case.run()
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "every row of a fused call with a bad row must be NaN"
+    _assert_untouched_except_valid_rows(before, case, written_rows=[])
+    with pytest.raises(gqa_torch.GQAError) as info:
+        gqa_torch.check_errors()
+    assert info.value.flags == gerr.POSITION
+
+
 def _two_waves_shape():
     """(batch, q heads, kv heads, capacity, plan) of a decode call whose plan runs a ragged batch
     in two waves (Plan::ragged_two_waves): SMs / 16 rows of 8 kv heads (8 on an H200), whose 4

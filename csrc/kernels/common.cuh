@@ -81,7 +81,7 @@ struct Work {
   // Under shares: the keys' worth of time an item costs besides its keys (shares_walk weighs
   // each item by its keys plus this; Plan::share_item_keys).
   int32_t share_item_keys = 0;
-  // Under shares: equal rows whose items fill 84% of the grid or more take one CTA an item
+  // Under shares: equal rows whose items fill 7/8 of the grid or more take one CTA an item
   // (shares_walk); 0: their items are cut as any others are (a pin for tests and benchmarks).
   int32_t share_whole_items = 0;
 };

@@ -521,9 +521,12 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       if (f == 0 && rotary && !position_in_range(p, rotary_position(p, gb, bb, 0))) f |= kErrPosition;
       if (f != 0) {
         bad |= f;
-        // One CTA sets each bad row's flags: under kShares the first CTA (a row's item may be
-        // no CTA's first segment), else the row's first split of its first kv chunk.
-        if (kShares ? blockIdx.x == 0 : bb == b && split == 0 && kv_chunk == 0) atomicOr(p.error_word, f);
+        // One CTA sets each bad row's flags: under kShares the one that serves the first keys
+        // of row 0's first item (always its first segment, while a bad row's item may be no
+        // CTA's first segment, and the first CTA may serve nothing: shares_walk), else the
+        // row's first split of its first kv chunk.
+        if (kShares ? b == 0 && kv_chunk == 0 && split == 0 : bb == b && split == 0 && kv_chunk == 0)
+          atomicOr(p.error_word, f);
       }
     }
   }

@@ -161,16 +161,15 @@ __device__ DecodeCta decode_cta(const Params& p, const Work& w) {
 // (row, kv head x head chunk), in row order, lie end to end, each as long as its row's visible
 // keys (at least 1, so that a bad row's items still have a CTA to write their NaN) plus
 // `item_keys` positions before them that stand for what serving an item costs besides its keys
-// (its segment's first round trip to memory, its combine and its merge: Work::share_item_keys).
-// CTA c takes the positions [c W, (c + 1) W), W = max(ceil(total / CTAs), ceil(longest row / 15))
-// rounded up to a tile, so that an item's keys span at most 16 CTAs (the in-launch merge's count
-// and the workspace's room); with `whole_items`, for equal rows whose items fill 7/8 of the grid
-// or more, W is one item. It serves the keys of each item its range meets as one segment, in order:
-// `segment` gets a DecodeCta whose split is the CTA's index among the CTAs that hold the item's
-// keys and splits their count, whether the segment is the CTA's first, and whether the CTA has
-// a next segment and which, so that the kernel can start that one's loads early. A range
-// that meets only an item's leading positions serves nothing of it. Called by every thread of
-// the CTA.
+// (Work::share_item_keys). CTA c takes the positions [c W, (c + 1) W), W = max(ceil(total /
+// CTAs), ceil(longest row / 15)) rounded up to a tile, so that an item's keys span at most 16
+// CTAs (the in-launch merge's count and the workspace's room); with `whole_items`, for equal
+// rows whose items fill 7/8 of the grid or more, W is one item. It serves the keys of each item
+// its range meets as one segment, in order: `segment` gets a DecodeCta whose split is the CTA's
+// index among the CTAs that hold the item's keys and splits their count, whether the segment is
+// the CTA's first, and whether the CTA has a next segment and which (so that the kernel can
+// start that one's loads early). A range that meets only an item's leading positions serves
+// nothing of it. Called by every thread of the CTA.
 template <int kThreads, typename Segment>
 __device__ void shares_walk(const Params& p, int item_keys, bool whole_items, Segment&& segment) {
   __shared__ long long row_first[kThreads + 1];  // the position of each row's first item
@@ -200,9 +199,11 @@ __device__ void shares_walk(const Params& p, int item_keys, bool whole_items, Se
       // cut in two, no merge), the CTAs past them idle. Cutting the items to fill the rest cost
       // more than those CTAs would stream. H200, fiftieth round (the TMA ring carried across
       // segments), us, this / the items cut (Work::share_whole_items): B16 64/8 L8192 (128
-      // items) 122.2 / 127.1, B30 32/4 L8192 (120) 117.1 / 120.2; but B14 64/8 L8192 (112, 85%)
-      // 115.6 / 112.1. With fewer items, fewer SMs stream too little: B12 64/8 L16384 in a grid
-      // of one CTA an item ran 205.1 against 190.4 with the items cut (forty-ninth round).
+      // items) 122.2 / 127.1 and 126.5 / 129.7, B15 64/8 L8192 (120) 117.8 / 122.4, B30 32/4
+      // L8192 (120) 117.1 / 120.2; but B14 64/8 L8192 (112, 85%) 115.6 / 112.1, and level on
+      // another H200 (114.3-114.9 either way). With fewer items, fewer SMs stream too little:
+      // B12 64/8 L16384 in a grid of one CTA an item ran 205.1 against 190.4 with the items cut
+      // (forty-ninth round).
       share = static_cast<long long>(row_keys[0]) + item_keys;
     } else {
       const long long by_grid = (pos + gridDim.x - 1) / gridDim.x;
