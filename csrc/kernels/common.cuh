@@ -591,12 +591,6 @@ __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 #endif
 }
-// Before a barrier's memory is initialised again (every phase it began has completed).
-__device__ __forceinline__ void mbarrier_inval(uint32_t bar) {
-#if GQA_ASYNC_COPY_ENABLED
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
 #if GQA_ASYNC_COPY_ENABLED
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
