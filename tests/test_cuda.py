@@ -560,13 +560,13 @@ def test_cuda_prefill_kernel_append_bad_row(dtype, head_dim, prefill_append):
     case = make_case("inplace", batch=3, seq=300, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=400,
                      past_lengths=[0, 50, 0], strided=True, dtype=DTYPES[dtype], device="cuda", poison_unused=False)
     case.seqlens_k[1] = 400  # total 401 > capacity
-    _check_row_past_capacity_poisons_the_call(case, "a bad row anywhere makes every prefill output row NaN")
+    _check_bad_row_poisons_the_call(case, "a bad row anywhere makes every prefill output row NaN")
 
 
-def _check_row_past_capacity_poisons_the_call(case, message):
-    """Runs an in-place case with a row past the capacity: every output is NaN (`message`
-    otherwise), no cache byte changes (guard regions included), and check_errors() raises the
-    capacity flag alone."""
+def _check_bad_row_poisons_the_call(case, message, flags=gerr.CAPACITY):
+    """Runs an in-place case with a bad row (by default one past the capacity): every output is
+    NaN (`message` otherwise), no cache byte changes (guard regions included), and
+    check_errors() raises `flags` alone."""
     before = case.clone()
     out = case.run()
     torch.cuda.synchronize()
@@ -574,7 +574,7 @@ def _check_row_past_capacity_poisons_the_call(case, message):
     _assert_untouched_except_valid_rows(before, case, written_rows=[])
     with pytest.raises(gqa_torch.GQAError) as info:
         gqa_torch.check_errors()
-    assert info.value.flags == gerr.CAPACITY
+    assert info.value.flags == flags
 
 
 @pytest.mark.parametrize("seq", [2, 33])
@@ -1110,7 +1110,7 @@ def test_cuda_decode_equal_rows_tail_bad_row():
                      past_lengths=[capacity - 1] * batch, strided=True, dtype=torch.bfloat16, device="cuda",
                      poison_unused=False)
     case.seqlens_k[batch - 1] = capacity  # total capacity + 1
-    _check_row_past_capacity_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+    _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
 
 
 def test_cuda_decode_equal_rows_bad_row():
@@ -1122,7 +1122,7 @@ def test_cuda_decode_equal_rows_bad_row():
                      past_lengths=[capacity - 1] * batch, strided=True, dtype=torch.bfloat16, device="cuda",
                      poison_unused=False)
     case.seqlens_k[batch // 2] = capacity  # total capacity + 1
-    _check_row_past_capacity_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+    _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
 
 
 def _ragged_pasts(rng, batch, capacity):
@@ -1281,9 +1281,9 @@ def test_cuda_decode_shares_equal_rows_one_cta_an_item(dtype, feature, nearly, g
 @pytest.mark.parametrize("bad_row,grid", [(0, "auto"), ("middle", "auto"), ("last", "cut")])
 def test_cuda_decode_shares_bad_row(bad_row, grid):
     """The bad-row checks under the balanced partition (fused in place), where the error word and
-    the row checks run in each CTA's first segment only and the first CTA raises the flags: a
-    ragged batch whose bad row (its length past the capacity) is the first, one in the middle
-    (its items no CTA's first segment) or the last. No cache byte changes, every output is NaN,
+    the row checks run in each CTA's first segment only and the CTA that serves row 0's first
+    item raises the flags: a ragged batch whose bad row (its length past the capacity) is the
+    first, one in the middle (its items no CTA's first segment) or the last. No cache byte changes, every output is NaN,
     and check_errors() raises the capacity flag alone."""
     batch, hq, hkv, capacity, _ = _shares_shape()
     rng = random.Random(67)
@@ -1294,7 +1294,7 @@ def test_cuda_decode_shares_bad_row(bad_row, grid):
     case.seqlens_k[row] = capacity  # total capacity + 1
     gqa_torch._C._set_decode_shares(grid, -1)
     try:
-        _check_row_past_capacity_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+        _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
     finally:
         gqa_torch._C._set_decode_shares("auto", -1)
 
@@ -1311,14 +1311,7 @@ def test_cuda_decode_shares_bad_position_among_short_rows():
                      past_lengths=past, strided=True, rotary="half", position_ids="offset", max_positions=32,
                      dtype=torch.bfloat16, device="cuda", poison_unused=False)
     case.position_ids[batch // 2, 0] = 32
-    before = case.clone()
-    out = case.run()
-    torch.cuda.synchronize()
-    assert torch.isnan(out).all(), "every row of a fused call with a bad row must be NaN"
-    _assert_untouched_except_valid_rows(before, case, written_rows=[])
-    with pytest.raises(gqa_torch.GQAError) as info:
-        gqa_torch.check_errors()
-    assert info.value.flags == gerr.POSITION
+    _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN", gerr.POSITION)
 
 
 def _two_waves_shape():

@@ -63,7 +63,7 @@ def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128
     (33, 4, 4, 4096, 2, 1),     # 132 CTAs a split: every SM
     (30, 32, 4, 8191, 2, 1),    # 120 CTAs a split: 91% of the SMs
     (29, 32, 4, 8191, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
-    (17, 64, 8, 8191, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM
+    (17, 64, 8, 8191, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM (8,192: the partition)
     (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
     (8, 32, 8, 16448, 5, 4),
     (32, 32, 8, 8192, 2, 1),    # 256 CTAs a split: one wave at two an SM
