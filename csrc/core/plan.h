@@ -78,9 +78,10 @@ struct Plan {
   // whatever the rows' lengths; the CTAs that share an item merge in the launch (max_splits is
   // then the most CTAs an item spans). 0: the grid of splits above.
   int32_t shares = 0;
-  // Under shares: how many keys' worth of time serving an item costs besides its keys (its
-  // segment's checks, first round trip to memory and combine), which the partition weighs each
-  // item by on top of its keys, so that a CTA whose share holds many short items gets fewer keys.
+  // Under shares: how many keys' worth of time serving an item costs besides its keys, which
+  // the partition weighs each item by on top of its keys, so that a CTA whose share holds many
+  // short items gets fewer keys. (Not its first tiles' round trip, which the kernel overlaps with
+  // the item before since the fiftieth round: the weight stayed at 512; NOTES.md.)
   int32_t share_item_keys = 0;
   WorkspaceLayout workspace;
 };
