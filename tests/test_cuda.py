@@ -1235,10 +1235,47 @@ def test_cuda_decode_shares_more_items_than_sms(dtype, features):
     _run_shares_cases(random.Random(71), dtype, features, batch, hq, hkv, capacity)
 
 
-def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity):
+def _shares_batch_where(hq, hkv, capacity, wanted):
+    """The fewest rows (2-128) at which the decode plan for `hq`/`hkv` heads and `capacity` keys
+    takes the balanced partition with `wanted(items, sms)` true of its items (row, kv head, head
+    chunk); fails where none does."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch in range(2, 129):
+        plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+        if plan["shares"] == sms and wanted(batch * hkv, sms):
+            return batch
+    pytest.fail(f"no batch of {hq}/{hkv} heads and {capacity} keys takes the partition as wanted on {sms} SMs")
+
+
+@pytest.mark.parametrize("dtype,features", [("bf16", [1, 2, 0]), ("fp16", [0, 4, 3])])
+def test_cuda_decode_shares_fewer_items_than_half_the_sms(dtype, features):
+    """The balanced partition where the items number half the SMs or fewer (5 rows of 8 kv heads
+    at 16,448 keys on an H200: 40 items, whose equal rows' grid of 6 splits at two CTAs an SM
+    would leave 24 of its 264 slots empty), so that every item spans several CTAs and most CTAs
+    serve the end of one item and the start of the next: equal rows, a ragged batch and one
+    full row among short ones, features, both ops and layouts, against the reference and the
+    CPU backend."""
+    hq, hkv, capacity = 16, 8, 16448
+    batch = _shares_batch_where(hq, hkv, capacity, lambda items, sms: 2 * items <= sms)
+    _run_shares_cases(random.Random(79), dtype, features, batch, hq, hkv, capacity)
+
+
+@pytest.mark.parametrize("dtype,features", [("bf16", [2, 1]), ("fp16", [4, 3])])
+def test_cuda_decode_shares_twice_the_sms_items_on_long_caches(dtype, features):
+    """The balanced partition past 7/4 of the SMs' count of items, which the plan takes on caches
+    of 16,384 keys or more (33 rows of 8 kv heads on an H200: 264 items, two an SM), so that
+    every CTA walks several items: a ragged batch and one full row among short ones (whose short
+    items crowd many into one CTA's share), features, both ops and layouts, against the reference
+    and the CPU backend."""
+    hq, hkv, capacity = 8, 8, 16448
+    batch = _shares_batch_where(hq, hkv, capacity, lambda items, sms: items >= 2 * sms)
+    _run_shares_cases(random.Random(83), dtype, features, batch, hq, hkv, capacity, first=1)
+
+
+def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity, first=0):
     """test_cuda_decode_shares's cases, one a FEATURE_CYCLE index of `features`: in turn equal
-    rows, a ragged batch, and one full row among short ones."""
-    for j, i in enumerate(features):
+    rows, a ragged batch, and one full row among short ones (from the `first` of those)."""
+    for j, i in enumerate(features, start=first):
         if j % 3 == 0:
             past = [capacity - 1] * batch
         elif j % 3 == 1:

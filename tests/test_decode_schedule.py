@@ -207,22 +207,32 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     (30, 32, 4, 8192, 128, True),
     (128, 4, 1, 8192, 128, True),     # the most rows the walk takes (one a thread of the CTA)
     (8, 256, 8, 8192, 128, True),     # two head chunks of 16 query heads: 128 items
-    (8, 64, 8, 16384, 128, False),    # 64 items: half the SMs or fewer
+    (8, 64, 8, 16384, 128, False),    # 64 items: the equal rows' grid (4 splits) fills 256 of 264 slots
+    (6, 64, 8, 16384, 128, True),     # 48: 5 splits fill 240 of 264, under 15/16
+    (6, 32, 8, 8192, 128, True),      # 48: 2 splits, 96 CTAs of 132 SMs (at most 3/4)
+    (5, 32, 8, 8192, 128, False),     # 40: 3 splits, 120 CTAs of 132 SMs
+    (3, 64, 8, 32768, 128, False),    # 24: 11 splits fill all 264
+    (2, 64, 8, 8192, 128, False),     # 16: fewer than 1/8 of the SMs
     (17, 64, 8, 8192, 128, True),     # 136: more than the SMs
     (28, 64, 8, 8192, 128, True),     # 224: at most 7/4 of the SMs
-    (29, 64, 8, 8192, 128, False),    # 232: more than that
+    (29, 64, 8, 8192, 128, False),    # 232: more than that, on 8,192 keys
+    (29, 64, 8, 16384, 128, True),    # ... on 16,384 keys: up to 4 x the SMs
+    (66, 32, 8, 32768, 128, True),    # 528
+    (67, 32, 8, 32768, 128, False),   # 536
     (129, 4, 1, 8192, 128, False),    # more rows than the walk takes
     (16, 64, 8, 8191, 128, False),    # rows of fewer than 8,192 keys of capacity
     (16, 64, 8, 8192, 64, False),     # head size 128 only (the kernel is built there alone)
     (16, 64, 8, 8192, 256, False),
     (1, 32, 8, 32768, 128, False),    # one row
 ])
-def test_decode_plan_takes_the_balanced_partition_from_half_the_sms_to_7_4_of_them(batch, hq, hkv, capacity,
-                                                                                   head_dim, takes_it):
-    """Plan::shares: at head size 128, 2-128 rows of 8,192 keys of capacity or more whose items (row,
-    kv head, head chunk) number more than half the 132 SMs and at most 7/4 of them take a grid of
+def test_decode_plan_takes_the_balanced_partition(batch, hq, hkv, capacity, head_dim, takes_it):
+    """Plan::shares: at head size 128, 2-128 rows of 8,192 keys of capacity or more take a grid of
     one CTA an SM, each walking an equal share of the batch's keys, each item weighed by its keys
-    plus 512; an item spans at most 16 CTAs (max_splits), and the grid-of-splits schedule is off."""
+    plus 512, where the items (row, kv head, head chunk) number more than half the 132 SMs and at
+    most 7/4 of them; or 1/8 of them to half, where the equal rows' grid of splits would leave
+    1/16 of its slots empty or more at two CTAs an SM, or 1/4 of the SMs idle at one; or more
+    than 7/4 of them and up to 4 x on 16,384 keys of capacity or more. An item spans at most 16
+    CTAs (max_splits), and the grid-of-splits schedule is off."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert plan["shares"] == (132 if takes_it else 0), plan
     assert plan["share_item_keys"] == (512 if takes_it else 0), plan

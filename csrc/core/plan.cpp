@@ -167,31 +167,44 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
       plan.equal_rows_tail_splits = static_cast<int32_t>(tail_splits);
       plan.equal_rows_tail_items = static_cast<int32_t>(tail);
     }
-    // A balanced partition (Plan::shares) where the items number more than half the SMs and at
-    // most 7/4 of them and the rows are long: a grid of one CTA an SM, each CTA an equal share
-    // of the batch's keys, each item weighed by its keys plus share_item_keys (what a segment
-    // costs besides its keys); an item spans at most kMaxInLaunchMergeSplits CTAs (shares_walk
-    // bounds the share from below). In the grid of splits, equal rows there either leave SMs
-    // idle or share SMs with leaving CTAs. H200, interleaved, us, this / the grid of splits
-    // (SDPA cuDNN), forty-ninth round (NOTES.md):
-    //   equal rows: B12 64/8 L16384 189.7 / 225.7 (188.2); B16 248.9 / 302.0 (242.3); B9 144.3 /
-    //   160.8 (161.3); B14 L8192 115.0 / 125.2 (110.0); B16 L8192 126.4 / 126.3 (123.3)
-    //   ragged, lengths from 256: B12 64/8 L8192 49.1 / 53.3; B16 L16384 167.4 / 176.2; B9
-    //   L16384 94.0 / 97.9; B15 L16384 117.2 / 117.4; B16 L32768 296.5 / 297.3; B30 32/4 L8192
-    //   72.5 / 72.8; B14 L8192 47.9 / 46.7 (2.5% slower)
-    // The item weight 512: ragged B12 64/8 L8192 at 0 / 192 / 320 / 512 keys 73.0 / 55.7 / 51.4
-    // / 49.4, B15 L16384 136.0 / 121.6 / 119.1 / 118.3 (one process; in another, 1,024 keys
-    // 52.8 and 120.7 against 49.1 and 117.2 at 512); equal rows level across weights. Taken
-    // wider, from 1/8 of the SMs' count of items, it ran 1-2.5% slower at B8 (64 items: B8 32/8
-    // L8192 67.7-67.9 against 66.1-66.3) and 3-4% faster at B5-B6.
-    // Past the SMs' count (fiftieth round, the TMA ring carried across segments), where the grid
-    // of splits gives some SMs two items and others one: B24 64/8 L8192 (192 items) 186.0 against
-    // 221.3 (cuDNN 191.0), B40 32/8 L16384 lengths from 4,096 (320 items) 350.8 against 382.0;
-    // level or slower from about twice the SMs (B32 32/8 L8192, 256 items, 240.5 against 239.1;
-    // B64 L8192 473.3 against 469.6, with lengths from 256 274.9 against 264.6; B128 L2048 258.9
-    // against 244.5), and far slower on short rows (B64 L1024 77.8 against 65.2).
-    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 && 4 * slots <= 7 * sms && 2 * slots > sms &&
-        p.capacity >= 8192) {
+    // A balanced partition (Plan::shares): a grid of one CTA an SM, each CTA an equal share of
+    // the batch's keys, each item weighed by its keys plus share_item_keys (what a segment costs
+    // besides its keys); an item spans at most kMaxInLaunchMergeSplits CTAs (shares_walk bounds
+    // the share from below). Where the items do not divide the SMs, the grid of splits leaves
+    // SMs idle or shares them unevenly, and it spreads a ragged batch only by its splits. Taken
+    // at head size 128, on 8,192 keys of capacity or more, in three bands of the items' count.
+    // H200, interleaved, us, this / the grid of splits (SDPA cuDNN), NOTES.md:
+    // - share_band, more than half the SMs' count and at most 7/4 of it (forty-ninth and
+    //   fiftieth rounds). Equal rows: B12 64/8 L16384 189.7 / 225.7 (188.2); B16 248.9 / 302.0
+    //   (242.3); B9 144.3 / 160.8 (161.3); B14 L8192 115.0 / 125.2 (110.0); B16 L8192 126.4 /
+    //   126.3 (123.3); B24 64/8 L8192 186.0 / 221.3 (191.0). Lengths from 256: B12 64/8 L8192
+    //   49.1 / 53.3; B16 L16384 167.4 / 176.2; B9 L16384 94.0 / 97.9; B15 L16384 117.2 / 117.4;
+    //   B16 L32768 296.5 / 297.3; B30 32/4 L8192 72.5 / 72.8; B14 L8192 47.9 / 46.7.
+    // - share_few, 1/8 of it to half, where the equal rows' grid of splits leaves 1/16 of its
+    //   slots empty or more at two CTAs an SM, or 1/4 of the SMs idle at one (fifty-first round).
+    //   B6 64/8 L16384 (48 items, 240 of 264 slots) 97.0 / 102.3 (101.6); B7 32/8 L16384 (56,
+    //   224) 109.5 / 121.0 (113.8); B5 32/8 L16384 (40, 240) 80.7 / 84.4 (83.9); B14 28/4 L8192
+    //   (56, 224) 61.0 / 65.5 (61.1); B6 32/8 L8192 (48, 96 of 132 SMs) 52.4 / 53.3, with
+    //   lengths from 256 30.4 / 50.6. Not where the grid fills more: B8 32/8 L8192 (64, 256 of
+    //   264) 66.5-66.9 / 65.0; B3 64/8 L32768 (24, 264) 96.1-96.5 / 95.3; B5 32/8 L8192 (40, 120
+    //   of 132 SMs) 44.9 / 42.8 (with lengths from 256 28.2 / 31.9); B3 64/8 L8192 31.0 / 29.0.
+    // - share_long, more than 7/4 of it and at most 4 x on 16,384 keys or more (fifty-first
+    //   round). B30 32/8 L16384 (240 items) 442.0 / 469.0 (446.9); B32 32/8 L32768 928.4 / 942.5
+    //   (924.4); B64 L32768 1845.5 / 1858.6 (1848.4), lengths from 256 915.5 / 928.0; B40
+    //   L16384 lengths from 256 282.3 / 334.0; B64 L16384 level (931.8 / 930.9; lengths from 256
+    //   482.2 / 480.0). Past 4 x, ragged batches lose: B128 32/8 L16384 1851.1 / 1884.7 but
+    //   1005.0 / 987.0 from 256, L32768 3767.0 / 3856.9 but 1985.2 / 1942.5. On 8,192 keys the
+    //   grid of splits is level or faster from about twice the SMs (fiftieth round: B32 32/8
+    //   240.5 / 239.1; B64 473.3 / 469.6, from 256 274.9 / 264.6; B128 L2048 258.9 / 244.5;
+    //   B64 L1024 77.8 / 65.2).
+    const int64_t equal_grid = slots * (plan.equal_rows_splits > 0 ? plan.equal_rows_splits : plan.max_splits);
+    const bool share_band = 2 * slots > sms && 4 * slots <= 7 * sms;
+    const bool share_long = p.capacity >= 16384 && 4 * slots > 7 * sms && slots <= 4 * sms;
+    const bool share_few = 8 * slots >= sms && 2 * slots <= sms &&
+                           (equal_grid <= sms ? 4 * equal_grid <= 3 * sms
+                                              : 16 * equal_grid < 15 * ((equal_grid + 2 * sms - 1) / (2 * sms) * 2 * sms));
+    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 && p.capacity >= 8192 &&
+        (share_band || share_long || share_few)) {
       plan.shares = static_cast<int32_t>(sms);
       plan.share_item_keys = 512;
       plan.max_splits = kMaxInLaunchMergeSplits;
