@@ -1237,8 +1237,8 @@ def test_cuda_decode_shares_more_items_than_sms(dtype, features):
 
 def _shares_batch_where(hq, hkv, capacity, wanted):
     """The fewest rows (2-128) at which the decode plan for `hq`/`hkv` heads and `capacity` keys
-    takes the balanced partition with `wanted(items, sms)` true of its items (row, kv head, head
-    chunk); fails where none does."""
+    takes the balanced partition with `wanted(items, sms)` true of its items, rows x kv heads
+    (one head chunk a kv head: at most 16 query heads each); fails where none does."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch in range(2, 129):
         plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)

@@ -197,12 +197,14 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     //   grid of splits is level or faster from about twice the SMs (fiftieth round: B32 32/8
     //   240.5 / 239.1; B64 473.3 / 469.6, from 256 274.9 / 264.6; B128 L2048 258.9 / 244.5;
     //   B64 L1024 77.8 / 65.2).
+    // The CTAs of a batch of equal rows in the grid of splits, and the slots of its waves at two
+    // CTAs an SM.
     const int64_t equal_grid = slots * (plan.equal_rows_splits > 0 ? plan.equal_rows_splits : plan.max_splits);
+    const int64_t equal_slots = (equal_grid + 2 * sms - 1) / (2 * sms) * 2 * sms;
     const bool share_band = 2 * slots > sms && 4 * slots <= 7 * sms;
-    const bool share_long = p.capacity >= 16384 && 4 * slots > 7 * sms && slots <= 4 * sms;
     const bool share_few = 8 * slots >= sms && 2 * slots <= sms &&
-                           (equal_grid <= sms ? 4 * equal_grid <= 3 * sms
-                                              : 16 * equal_grid < 15 * ((equal_grid + 2 * sms - 1) / (2 * sms) * 2 * sms));
+                           (equal_grid <= sms ? 4 * equal_grid <= 3 * sms : 16 * equal_grid < 15 * equal_slots);
+    const bool share_long = p.capacity >= 16384 && 4 * slots > 7 * sms && slots <= 4 * sms;
     if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 && p.capacity >= 8192 &&
         (share_band || share_long || share_few)) {
       plan.shares = static_cast<int32_t>(sms);
