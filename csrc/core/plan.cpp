@@ -184,10 +184,11 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     //   slots empty or more at two CTAs an SM, or 1/4 of the SMs idle at one (fifty-first round).
     //   B6 64/8 L16384 (48 items, 240 of 264 slots) 97.0 / 102.3 (101.6); B7 32/8 L16384 (56,
     //   224) 109.5 / 121.0 (113.8); B5 32/8 L16384 (40, 240) 80.7 / 84.4 (83.9); B14 28/4 L8192
-    //   (56, 224) 61.0 / 65.5 (61.1); B6 32/8 L8192 (48, 96 of 132 SMs) 52.4 / 53.3, with
-    //   lengths from 256 30.4 / 50.6. Not where the grid fills more: B8 32/8 L8192 (64, 256 of
-    //   264) 66.5-66.9 / 65.0; B3 64/8 L32768 (24, 264) 96.1-96.5 / 95.3; B5 32/8 L8192 (40, 120
-    //   of 132 SMs) 44.9 / 42.8 (with lengths from 256 28.2 / 31.9); B3 64/8 L8192 31.0 / 29.0.
+    //   (56, 224) 61.0 / 65.5 (61.1); B6 32/8 L8192 (48, 96 of 132 SMs) 52.3-53.3 / 53.3-53.5,
+    //   with lengths from 256 30.4-30.8 / 50.6-50.8. Not where the grid fills more: B8 32/8
+    //   L8192 (64, 256 of 264) 66.5-66.9 / 65.0; B3 64/8 L32768 (24, 264) 96.1-96.5 / 95.3; B5
+    //   32/8 L8192 (40, 120 of 132 SMs) 44.9 / 42.8 (with lengths from 256 28.2 / 31.9); B3 64/8
+    //   L8192 31.0 / 29.0.
     // - share_long, more than 7/4 of it and at most 4 x on 16,384 keys or more (fifty-first
     //   round). B30 32/8 L16384 (240 items) 442.0 / 469.0 (446.9); B32 32/8 L32768 928.4 / 942.5
     //   (924.4); B64 L32768 1845.5 / 1858.6 (1848.4), lengths from 256 915.5 / 928.0; B40
@@ -197,6 +198,10 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     //   grid of splits is level or faster from about twice the SMs (fiftieth round: B32 32/8
     //   240.5 / 239.1; B64 473.3 / 469.6, from 256 274.9 / 264.6; B128 L2048 258.9 / 244.5;
     //   B64 L1024 77.8 / 65.2).
+    // The item weight 512 (forty-ninth round): ragged B12 64/8 L8192 at 0 / 192 / 320 / 512 keys
+    // 73.0 / 55.7 / 51.4 / 49.4, B15 L16384 136.0 / 121.6 / 119.1 / 118.3 (one process; in
+    // another, 1,024 keys 52.8 and 120.7 against 49.1 and 117.2 at 512); equal rows level across
+    // weights.
     // The CTAs of a batch of equal rows in the grid of splits, and the slots of its waves at two
     // CTAs an SM.
     const int64_t equal_grid = slots * (plan.equal_rows_splits > 0 ? plan.equal_rows_splits : plan.max_splits);
