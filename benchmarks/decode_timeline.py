@@ -24,6 +24,9 @@ middle, replays it, and reports:
 
 (`--pins`: the same rows again with a switch pinned, as ab_decode.py pins them.)
 
+Under the balanced partition (`Plan::shares`) a CTA's record here is its first segment's; each
+later segment writes a record of its own past the grid's, which segment_timeline.py reports.
+
 Diagnostics only, and only in a build with the stamps compiled in (they cost the smallest calls
 even when off, so the default build has none):
 

@@ -124,7 +124,9 @@ struct DecodeCacheMaps {
 // stamps its record (kDecodeTimelineFields wide) with the GPU timer at entry and exit, its SM's
 // clock at entry, after the PDL wait, after the error word and the row checks, with Q staged,
 // after the tile loop and at exit (after its merge, if it merged), its SM and tile count, and
-// its block coordinates. Only in a build with GQA_DECODE_TIMELINE defined (setup.py defines it
+// its block coordinates. Under kShares each segment of a CTA stamps a record of its own, record
+// c + g s for segment s of CTA c in a grid of g (benchmarks/segment_timeline.py), the entry
+// stamps in segment 0's. Only in a build with GQA_DECODE_TIMELINE defined (setup.py defines it
 // when the environment sets GQA_DECODE_TIMELINE=1): elsewhere a stamp is no code at all. As
 // uniform branches on a null pointer the seven stamp sites were not free at B = 1, where the
 // warps wait for instructions: built out, B1 L1024 ran 5.99 us against 6.18 with them, and
@@ -137,11 +139,12 @@ constexpr bool kDecodeTimelineBuilt = false;
 enum DecodeTimelineField { kDtEntryNs, kDtEntry, kDtWaited, kDtChecked, kDtQReady, kDtLoopDone, kDtExit, kDtExitNs,
                            kDtSmTiles, kDtCta, kDtFieldsUsed };
 static_assert(kDtFieldsUsed <= kDecodeTimelineFields, "the decode timeline's record width");
-__device__ __forceinline__ void decode_stamp(const Work& w, int field, unsigned long long value = 0) {
+__device__ __forceinline__ void decode_stamp(const Work& w, int field, unsigned long long value = 0, int segment = 0) {
   if constexpr (kDecodeTimelineBuilt) {
     if (w.timeline == nullptr || threadIdx.x != 0) return;
     const int64_t record =
-        blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+        blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z) +
+        static_cast<int64_t>(segment) * gridDim.x * gridDim.y * gridDim.z;
     if (record >= w.timeline_records) return;
     if (field == kDtEntryNs || field == kDtExitNs) {
       value = global_ns();
@@ -235,6 +238,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // the item's; and each segment issues the next one's first tiles before its own partials and
   // merge (next_tiles_issued), so that their round trip to memory overlaps them.
   uint32_t ring_phase = 0;
+  int segment_index = 0;  // kShares: the timeline's record of this segment (decode_stamp)
   bool cta_bad = false;
   bool next_tiles_issued = false;
   // One (row, kv head x head chunk, split): the whole CTA in the grid of splits, one segment of
@@ -320,7 +324,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     pdl_wait();
     pdl_launch_dependents();
   }
-  decode_stamp(w, kDtWaited);
+  decode_stamp(w, kDtWaited, 0, segment_index);
 
   // The error word may be set by the kernel just before: after the wait.
   const uint32_t word = tid == 0 && (!kShares || first) ? read_error_word(p.error_word) : 0u;
@@ -596,7 +600,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     return;
   }
 
-  decode_stamp(w, kDtChecked);
+  decode_stamp(w, kDtChecked, 0, segment_index);
   if (!early && !tiles_issued) issue_first_tiles();
 
   // kRegK: K of the even / odd tiles (unused otherwise). The first two go out now, after the
@@ -704,7 +708,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
   }
   __syncthreads();
-  decode_stamp(w, kDtQReady);
+  decode_stamp(w, kDtQReady, 0, segment_index);
 
   uint32_t qa[Cfg::kQInRegs ? D / 16 : 1][4];
   if constexpr (kRegK) {  // in the K fragments' column order (load_k)
@@ -928,9 +932,10 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     for (int tile = 0; tile < ntiles; ++tile) tile_step(tile, k_even);
   }
   if constexpr (!kTma) cp_async_wait<0>();  // (every TMA load was waited for in the loop)
-  decode_stamp(w, kDtLoopDone);
-  decode_stamp(w, kDtSmTiles, static_cast<unsigned>(ntiles));
-  decode_stamp(w, kDtCta, (static_cast<unsigned long long>(b) << 32) | (static_cast<unsigned>(kv_chunk) << 16) | split);
+  decode_stamp(w, kDtLoopDone, 0, segment_index);
+  decode_stamp(w, kDtSmTiles, static_cast<unsigned>(ntiles), segment_index);
+  decode_stamp(w, kDtCta, (static_cast<unsigned long long>(b) << 32) | (static_cast<unsigned>(kv_chunk) << 16) | split,
+               segment_index);
 
   // ---- merge the warps' states ---------------------------------------------------------
 #pragma unroll
@@ -1028,13 +1033,14 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, p.kv_heads * hchunks, b, kv_chunk), active)) {
     arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
   }
-  decode_stamp(w, kDtExit);
-  decode_stamp(w, kDtExitNs);
+  decode_stamp(w, kDtExit, 0, segment_index);
+  decode_stamp(w, kDtExitNs, 0, segment_index);
   };
   if constexpr (kShares) {
     shares_walk<Cfg::kThreads>(p, w.share_item_keys, w.share_whole_items != 0,
                                [&](const DecodeCta& segment, bool first, bool has_next, const DecodeCta& next) {
                                  run(segment, first, has_next, next);
+                                 if constexpr (kDecodeTimelineBuilt) ++segment_index;
                                  __syncthreads();  // the segment's Q rows and new key are read before the next one's
                                });
   } else {
