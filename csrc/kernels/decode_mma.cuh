@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // the item's; and each segment issues the next one's first tiles before its own partials and
   // merge (next_tiles_issued), so that their round trip to memory overlaps them.
   uint32_t ring_phase = 0;
-  int segment_index = 0;  // kShares: the timeline's record of this segment (decode_stamp)
+  int segment_index = 0;  // kShares: the timeline record of this segment (counted only where stamps are built)
   bool cta_bad = false;
   bool next_tiles_issued = false;
   // One (row, kv head x head chunk, split): the whole CTA in the grid of splits, one segment of
