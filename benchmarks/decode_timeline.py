@@ -53,10 +53,10 @@ RECORD_WIDTH = 16  # kDecodeTimelineFields (common.cuh); the fields past FIELDS 
 MAX_RECORDS = 1 << 16
 
 
-def stamped_call(b, hq, hkv, d, length, calls, low=None):
-    """Records of one call in the middle of `calls` back to back in a graph (each with its
-    linear block index appended as a last column), and the graph's time per call (µs). `low`:
-    a ragged batch of lengths uniform in [low, length] (as ab_decode.py's shapes)."""
+def captured_records(b, hq, hkv, d, length, calls, low=None):
+    """Every record (MAX_RECORDS x RECORD_WIDTH on the GPU, unstamped ones zero) of one call in
+    the middle of `calls` back to back in a CUDA graph, and the graph's time per call (µs).
+    `low`: a ragged batch of lengths uniform in [low, length] (as ab_decode.py's shapes)."""
     seqlens = None
     if low is not None:
         seqlens = (ragged_lengths(b, length, low) - 1).to(torch.int32).cuda()
@@ -80,12 +80,19 @@ def stamped_call(b, hq, hkv, d, length, calls, low=None):
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
+    del graph, call
+    torch.cuda.empty_cache()
+    return records, period
+
+
+def stamped_call(b, hq, hkv, d, length, calls, low=None):
+    """Records of the CTAs that computed in one call (captured_records), each with its linear
+    block index appended as a last column, on the CPU, and the graph's time per call (µs)."""
+    records, period = captured_records(b, hq, hkv, d, length, calls, low)
     exit_ns = FIELDS.index("exit_ns")
     index = torch.arange(MAX_RECORDS, device="cuda", dtype=torch.int64).unsqueeze(1)
     records = torch.cat([records, index], dim=1)
-    rec = records[(records[:, 0] != 0) & (records[:, exit_ns] != 0)].cpu()  # the CTAs that computed
-    del graph, call
-    torch.cuda.empty_cache()
+    rec = records[(records[:, 0] != 0) & (records[:, exit_ns] != 0)].cpu()
     return rec, period
 
 

@@ -33,42 +33,11 @@ import torch
 
 import gqa_torch
 from ab_decode import parse_decode_shape, pin_parts, pinned_switches
-from common import inplace_decode_step, progress, ragged_lengths, time_graph
+from common import progress
+from decode_timeline import captured_records
 
-RECORD_WIDTH = 16  # kDecodeTimelineFields (common.cuh)
-MAX_RECORDS = 1 << 16
 # The fields of a record (decode_mma.cuh, DecodeTimelineField).
 ENTRY_NS, ENTRY, WAITED, CHECKED, Q_READY, LOOP_DONE, EXIT, EXIT_NS, SM_TILES, CTA = range(10)
-
-
-def stamped_call(b, hq, hkv, d, length, low, calls):
-    """The records of one call in the middle of `calls` back to back in a CUDA graph (every
-    record, stamped or not, as a list of lists), and the graph's time per call (µs)."""
-    seqlens = None if low is None else (ragged_lengths(b, length, low) - 1).to(torch.int32).cuda()
-    call, n = inplace_decode_step(b, hq, hkv, d, length, torch.bfloat16, seqlens)
-    records = torch.zeros(MAX_RECORDS, RECORD_WIDTH, dtype=torch.int64, device="cuda")
-    period = time_graph(call, n, calls_per_replay=max(calls, n))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            if i == calls // 2:
-                gqa_torch._C._set_decode_timeline(records)
-            call(i)
-            gqa_torch._C._set_decode_timeline(None)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    rows = records.cpu().tolist()
-    del graph, call
-    torch.cuda.empty_cache()
-    return rows, period
 
 
 def median(values):
@@ -153,7 +122,8 @@ def main():
             label = text + (f" ({pin})" if pin else "")
             progress(f"segment timeline: {label}")
             with pinned_switches(pin) if pin else contextlib.nullcontext():
-                rows, period = stamped_call(b, hq, hkv, d, length, low, args.calls)
+                records, period = captured_records(b, hq, hkv, d, length, args.calls, low)
+            rows = records.cpu().tolist()
             report(label, rows, period)
 
 
