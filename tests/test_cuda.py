@@ -1235,6 +1235,19 @@ def test_cuda_decode_shares_more_items_than_sms(dtype, features):
     _run_shares_cases(random.Random(71), dtype, features, batch, hq, hkv, capacity)
 
 
+@pytest.mark.parametrize("dtype,hq,features", [("bf16", 64, [0, 1, 2]), ("fp16", 48, [4, 3, 0])])
+def test_cuda_decode_shares_wide_groups(dtype, hq, features):
+    """The balanced partition with 8 and 6 query heads a kv head (_shares_shape's rows and keys),
+    where the CTA that merges an item's splits takes two units of four columns a thread (both
+    units at 8 heads; the second for half the threads at 6): equal rows, a ragged batch and one
+    full row among short ones, features, both ops and layouts, against the reference and the CPU
+    backend."""
+    batch, _, hkv, capacity, _ = _shares_shape()
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert plan["shares"] > 0 and plan["max_splits"] == 16, plan
+    _run_shares_cases(random.Random(83), dtype, features, batch, hq, hkv, capacity)
+
+
 def _shares_batch_where(hq, hkv, capacity, wanted):
     """The fewest rows (2-128) at which the decode plan for `hq`/`hkv` heads and `capacity` keys
     takes the balanced partition with `wanted(items, sms)` true of its items, rows x kv heads

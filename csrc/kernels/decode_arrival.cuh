@@ -60,64 +60,93 @@ __device__ __forceinline__ bool arrive_last(uint32_t* counter, int active) {
   return last_flag != 0;
 }
 
-// The merging CTA: each thread takes four consecutive columns of one query head and combines
-// the active splits' partials, kBatch splits of loads in flight at a time (L2 reads: __ldcg,
-// since L1 is not coherent with the other SMs' stores). `part` is the slot's first partial
-// index (row h0's split 0), as in the decode kernel; kPlain as the decode kernel's.
-template <typename T, int D, int kThreads, bool kPlain>
+// The merging CTA: each thread takes four consecutive columns of kUnits query heads (kUnits
+// float4 units, kThreads apart) and combines the active splits' partials, kBatch splits of each
+// unit's loads in flight at a time (L2 reads: __ldcg, since L1 is not coherent with the other
+// SMs' stores). `part` is the slot's first partial index (row h0's split 0), as in the decode
+// kernel; kPlain as the decode kernel's. Where the slot has more units (nh D / 4) than the CTA
+// threads, kUnits > 1 puts a thread's units' loads in one round trip to L2 instead of one after
+// another.
+template <typename T, int D, int kThreads, bool kPlain, int kBatch = 16, int kUnits = 1>
 __device__ void arrival_merge_splits(const Params& p, const Work& w, int64_t part, int active, int h0, int nh,
                                      T* out_row) {
   constexpr int kUnitsPerRow = D / 4;
-  constexpr int kBatch = 16;
   const int64_t head_stride = p.output_strides.head;
-  for (int i = threadIdx.x; i < nh * kUnitsPerRow; i += kThreads) {
-    const int row = i / kUnitsPerRow;
-    const int d = 4 * (i - row * kUnitsPerRow);
-    const int64_t slot = part + static_cast<int64_t>(row) * w.max_splits;
-    const float* lse_src = w.partial_lse + slot;
-    const float4* out_src = reinterpret_cast<const float4*>(w.partial_out + slot * D + d);
+  const int units = nh * kUnitsPerRow;
+  for (int i0 = threadIdx.x; i0 < units; i0 += kThreads * kUnits) {
+    bool valid[kUnits];
+    int row[kUnits], d[kUnits];
+    const float* lse_src[kUnits];
+    const float4* out_src[kUnits];
     // An online merge over batches: m is the largest log-sum-exp so far, l and acc the sum of
     // the weights and of the weighted partials relative to it.
-    float m = -INFINITY, l = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    bool poisoned = false;
-    for (int s0 = 0; s0 < active; s0 += kBatch) {
-      float lse[kBatch];
-      float4 v[kBatch];
+    float m[kUnits], l[kUnits];
+    float4 acc[kUnits];
+    bool poisoned[kUnits];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const bool ok = s0 + u < active;
-        lse[u] = ok ? __ldcg(lse_src + s0 + u) : -INFINITY;
-        v[u] = ok ? __ldcg(out_src + static_cast<int64_t>(s0 + u) * kUnitsPerRow) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float mb = m;
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        poisoned |= lse[u] != lse[u];
-        mb = fmaxf(mb, lse[u]);
-      }
-      if (mb == -INFINITY) continue;  // every split so far was empty
-      const float c = fast_exp2(m - mb);  // 0 while m is -inf
-      l *= c;
-      acc.x *= c;
-      acc.y *= c;
-      acc.z *= c;
-      acc.w *= c;
-      // No branch a split: an empty split (its partial is zeros) or none (v is zeros) has a
-      // log-sum-exp of -inf, so weight 0. A poisoned one (NaN) makes the output NaN anyway.
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const float e = fast_exp2(lse[u] - mb);
-        l += e;
-        acc.x = fmaf(e, v[u].x, acc.x);
-        acc.y = fmaf(e, v[u].y, acc.y);
-        acc.z = fmaf(e, v[u].z, acc.z);
-        acc.w = fmaf(e, v[u].w, acc.w);
-      }
-      m = mb;
+    for (int u = 0; u < kUnits; ++u) {
+      const int i = i0 + u * kThreads;
+      valid[u] = u == 0 || i < units;  // (unit 0: the loop's own bound)
+      row[u] = i / kUnitsPerRow;
+      d[u] = 4 * (i - row[u] * kUnitsPerRow);
+      const int64_t slot = part + static_cast<int64_t>(row[u]) * w.max_splits;
+      lse_src[u] = w.partial_lse + slot;
+      out_src[u] = reinterpret_cast<const float4*>(w.partial_out + slot * D + d[u]);
+      m[u] = -INFINITY;
+      l[u] = 0.f;
+      acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      poisoned[u] = false;
     }
-    const float f = poisoned ? quiet_nan() : final_factor_t<kPlain>(p, h0 + row, m, l);
-    store_scaled4<T>(out_row + (h0 + row) * head_stride + d, acc, f);
+    for (int s0 = 0; s0 < active; s0 += kBatch) {
+      float lse[kUnits][kBatch];
+      float4 v[kUnits][kBatch];
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+#pragma unroll
+        for (int s = 0; s < kBatch; ++s) {
+          const bool ok = valid[u] && s0 + s < active;
+          lse[u][s] = ok ? __ldcg(lse_src[u] + s0 + s) : -INFINITY;
+          v[u][s] = ok ? __ldcg(out_src[u] + static_cast<int64_t>(s0 + s) * kUnitsPerRow)
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+      // Unit u's batch folded into its running state.
+      auto fold = [&](int u) {
+        float mb = m[u];
+#pragma unroll
+        for (int s = 0; s < kBatch; ++s) {
+          poisoned[u] |= lse[u][s] != lse[u][s];
+          mb = fmaxf(mb, lse[u][s]);
+        }
+        if (mb == -INFINITY) return;  // every split so far was empty
+        const float c = fast_exp2(m[u] - mb);  // 0 while m is -inf
+        l[u] *= c;
+        acc[u].x *= c;
+        acc[u].y *= c;
+        acc[u].z *= c;
+        acc[u].w *= c;
+        // No branch a split: an empty split (its partial is zeros) or none (v is zeros) has a
+        // log-sum-exp of -inf, so weight 0. A poisoned one (NaN) makes the output NaN anyway.
+#pragma unroll
+        for (int s = 0; s < kBatch; ++s) {
+          const float e = fast_exp2(lse[u][s] - mb);
+          l[u] += e;
+          acc[u].x = fmaf(e, v[u][s].x, acc[u].x);
+          acc[u].y = fmaf(e, v[u][s].y, acc[u].y);
+          acc[u].z = fmaf(e, v[u][s].z, acc[u].z);
+          acc[u].w = fmaf(e, v[u][s].w, acc[u].w);
+        }
+        m[u] = mb;
+      };
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) fold(u);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      if (!valid[u]) continue;
+      const float f = poisoned[u] ? quiet_nan() : final_factor_t<kPlain>(p, h0 + row[u], m[u], l[u]);
+      store_scaled4<T>(out_row + (h0 + row[u]) * head_stride + d[u], acc[u], f);
+    }
   }
 }
 

@@ -238,6 +238,13 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // the item's; and each segment issues the next one's first tiles before its own partials and
   // merge (next_tiles_issued), so that their round trip to memory overlaps them.
   uint32_t ring_phase = 0;
+  // The merge by the split that arrives last (decode_arrival.cuh): under kShares a thread's two
+  // units in one round trip to L2, four splits at a time (the partition cuts an item into a few
+  // CTAs' segments, and a merge on a segment's boundary holds up the CTA's next segment or ends
+  // the call: 0.5-1% faster on ragged batches at 64/8 and 32/4 heads, nh = 8, NOTES.md); the
+  // grid of splits one unit and 16 splits (up to 16 splits at B = 1 in one round trip).
+  constexpr int kMergeBatch = kShares ? 4 : 16;
+  constexpr int kMergeUnits = kShares ? 2 : 1;
   int segment_index = 0;  // kShares: the timeline record of this segment (counted only where stamps are built)
   bool cta_bad = false;
   bool next_tiles_issued = false;
@@ -596,7 +603,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       if (i - r * D == 0) w.partial_lse[slot] = -INFINITY;
     }
     if (w.arrivals != nullptr && arrive_last(arrival_counter(w, p.kv_heads * hchunks, b, kv_chunk), active))
-      arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
+      arrival_merge_splits<T, D, Cfg::kThreads, kPlain, kMergeBatch, kMergeUnits>(p, w, part - split, active, h0, nh, out_row);
     return;
   }
 
@@ -1031,7 +1038,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
   }
   if (w.arrivals != nullptr && active > 1 && arrive_last(arrival_counter(w, p.kv_heads * hchunks, b, kv_chunk), active)) {
-    arrival_merge_splits<T, D, Cfg::kThreads, kPlain>(p, w, part - split, active, h0, nh, out_row);
+    arrival_merge_splits<T, D, Cfg::kThreads, kPlain, kMergeBatch, kMergeUnits>(p, w, part - split, active, h0, nh, out_row);
   }
   decode_stamp(w, kDtExit, 0, segment_index);
   decode_stamp(w, kDtExitNs, 0, segment_index);
