@@ -1243,8 +1243,9 @@ def test_cuda_decode_shares_wide_groups(dtype, hq, features):
     full row among short ones, features, both ops and layouts, against the reference and the CPU
     backend."""
     batch, _, hkv, capacity, _ = _shares_shape()
-    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, torch.cuda.get_device_properties(0).multi_processor_count)
-    assert plan["shares"] > 0 and plan["max_splits"] == 16, plan
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    assert plan["shares"] == sms and plan["max_splits"] == 16, plan
     _run_shares_cases(random.Random(83), dtype, features, batch, hq, hkv, capacity)
 
 

@@ -110,7 +110,8 @@ __device__ void arrival_merge_splits(const Params& p, const Work& w, int64_t par
                        : make_float4(0.f, 0.f, 0.f, 0.f);
         }
       }
-      // Unit u's batch folded into its running state.
+      // Unit u's batch folded into its running state (a lambda, so that an empty batch returns
+      // early for its own unit only).
       auto fold = [&](int u) {
         float mb = m[u];
 #pragma unroll

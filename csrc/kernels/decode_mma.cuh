@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // The merge by the split that arrives last (decode_arrival.cuh): under kShares a thread's two
   // units in one round trip to L2, four splits at a time (the partition cuts an item into a few
   // CTAs' segments, and a merge on a segment's boundary holds up the CTA's next segment or ends
-  // the call: 0.5-1% faster on ragged batches at 64/8 and 32/4 heads, nh = 8, NOTES.md); the
+  // the call: 0.4-1% faster on ragged batches at 64/8 and 32/4 heads, nh = 8, NOTES.md); the
   // grid of splits one unit and 16 splits (up to 16 splits at B = 1 in one round trip).
   constexpr int kMergeBatch = kShares ? 4 : 16;
   constexpr int kMergeUnits = kShares ? 2 : 1;
