@@ -227,6 +227,20 @@ def spread(cols, ghz, t0):
           f"fastest {[(sm, round(r, 3)) for r, sm in sm_rate[-5:]]}")
 
 
+def start_stamped_run(script, pins):
+    """The stamps scripts' start (this one and segment_timeline.py): refuses a bad pin and a
+    build without the decode stamps before any timing, then seeds torch and prints the device."""
+    from ab_decode import pin_parts  # (imports gqa_torch, as this script does)
+    for pin in pins:
+        pin_parts(pin)  # (refuses a bad one)
+    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
+    if not gqa_torch.build_info().get("decode_timeline", False):
+        raise SystemExit(f"{script}: this build has no decode stamps; rebuild with "
+                         "GQA_DECODE_TIMELINE=1 python3 setup.py build_ext --inplace")
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, nargs="*", default=[0, 4, 6, 11], help="indices into the decode grid")
@@ -238,15 +252,8 @@ def main():
                         help="each row again with switches pinned, name=value or several joined by '+' "
                              "(as ab_decode.py's --pins)")
     args = parser.parse_args()
-    from ab_decode import parse_decode_shape, pin_parts, pinned_switches  # (imports gqa_torch, as this script does)
-    for pin in args.pins:
-        pin_parts(pin)  # (refuses a bad one before any timing)
-    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
-    if not gqa_torch.build_info().get("decode_timeline", False):
-        raise SystemExit("decode_timeline.py: this build has no decode stamps; rebuild with "
-                         "GQA_DECODE_TIMELINE=1 python3 setup.py build_ext --inplace")
-    torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    from ab_decode import parse_decode_shape, pinned_switches  # (imports gqa_torch, as this script does)
+    start_stamped_run("decode_timeline.py", args.pins)
     shapes = [tuple(DECODE_GRID[i]) + (None,) for i in args.rows] + [parse_decode_shape(s) for s in args.shapes]
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)

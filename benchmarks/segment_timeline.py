@@ -29,12 +29,9 @@ import argparse
 import contextlib
 import statistics
 
-import torch
-
-import gqa_torch
-from ab_decode import parse_decode_shape, pin_parts, pinned_switches
+from ab_decode import parse_decode_shape, pinned_switches
 from common import progress
-from decode_timeline import captured_records
+from decode_timeline import captured_records, start_stamped_run
 
 # The fields of a record (decode_mma.cuh, DecodeTimelineField).
 ENTRY_NS, ENTRY, WAITED, CHECKED, Q_READY, LOOP_DONE, EXIT, EXIT_NS, SM_TILES, CTA = range(10)
@@ -108,15 +105,8 @@ def main():
                         help="each shape again with switches pinned (as ab_decode.py's --pins), e.g. shares=cut")
     parser.add_argument("--calls", type=int, default=8, help="calls back to back in the graph")
     args = parser.parse_args()
-    for pin in args.pins:
-        pin_parts(pin)  # (refuses a bad one before any timing)
     shapes = [parse_decode_shape(text) for text in args.shapes]
-    assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
-    if not gqa_torch.build_info().get("decode_timeline", False):
-        raise SystemExit("segment_timeline.py: this build has no decode stamps; rebuild with "
-                         "GQA_DECODE_TIMELINE=1 python3 setup.py build_ext --inplace")
-    torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    start_stamped_run("segment_timeline.py", args.pins)
     for text, (b, hq, hkv, d, length, low) in zip(args.shapes, shapes):
         for pin in [None] + args.pins:
             label = text + (f" ({pin})" if pin else "")
