@@ -637,18 +637,20 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
                         "tma_wide", "regs_k"])
 def decode_loader(request):
     """Pins the decode kernel's loader (the default, "auto", picks per shape: on an sm90 GPU in a
-    9.0a build TMA at head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs
-    stream splits of 1,024-4,096 keys, at 256 with four warps a CTA where the grid, or its equal
-    rows' part, is one wave at one CTA an SM, at 64 in three stages where more than three CTAs an
-    SM stream short splits in row order and else with 32 keys a warp a stage where the splits
-    hold 512 keys or more, else cp.async: in three stages at 64 where the grid is one wave at
-    one CTA an SM of short splits, one tile ahead at 80 and 96 where it is one wave at two CTAs
-    an SM), so that every loader stays tested there. "cp_async_shallow"
-    (three stages) exists at head size 64, "cp_async_one_ahead" at 80 and 96, "tma_one_ahead" at
-    128, "tma_shallow" (three stages) and "tma_wide" (32 keys a warp a stage) at 64 and "regs_k"
-    (K into registers, V by TMA) at 64 and 128; elsewhere the first two run as "cp_async", the
-    next three as "tma" and the last as auto. The four-warp layout's
-    own pin, "tma_four_warps", is test_cuda_decode_head_size_256_warps's."""
+    9.0a build TMA at head sizes 80, 96, 128 and 256, one tile ahead at 128 where more CTAs than
+    SMs stream splits of 1,024-4,096 keys and at 80 and 96 where the grid is one wave at two CTAs
+    an SM, at 256 with four warps a CTA where the grid, or its equal rows' part, is one wave at
+    one CTA an SM, at 64 in three stages where more than three CTAs an SM stream short splits in
+    row order and else with 32 keys a warp a stage where the splits hold 512 keys or more; else
+    cp.async: in three stages at 64 where the grid is one wave at one CTA an SM of short splits,
+    and at 80 and 96 where the grid is one wave at one CTA an SM (at 96 of splits of fewer than
+    512 keys), or, without TMA, one tile ahead where it is one wave at two CTAs an SM), so that
+    every loader stays tested there. "cp_async_shallow" (three stages) exists at head size 64,
+    "cp_async_one_ahead" at 80 and 96, "tma_one_ahead" at 80, 96 and 128, "tma_shallow" (three
+    stages) and "tma_wide" (32 keys a warp a stage) at 64 and "regs_k" (K into registers, V by
+    TMA) at 64 and 128; elsewhere the first two run as "cp_async", the next three as "tma" and
+    the last as auto. The four-warp layout's own pin, "tma_four_warps", is
+    test_cuda_decode_head_size_256_warps's."""
     tma = request.param not in ("cp_async", "cp_async_shallow", "cp_async_one_ahead")
     if tma and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA decode loaders need an sm90 GPU")
@@ -819,24 +821,34 @@ def test_cuda_decode_head_size_128_loaders(dtype, batch, capacity, rows, loader,
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("batch,head_dim,capacity,rows,loader,code", [
-    (8, 80, 2048, "ragged", "auto", 5), (8, 96, 1024, "equal", "auto", 5), (1, 96, 1024, "equal", "auto", 0),
-    (4, 96, 4096, "equal", "auto", 0), (16, 80, 1024, "ragged", "auto", 0), (8, 96, 1024, "equal", "cp_async", 0),
-    (1, 80, 1024, "equal", "cp_async_one_ahead", 5)])
+    (8, 80, 2048, "ragged", "auto", 6), (8, 96, 1024, "equal", "auto", 6), (1, 96, 1024, "equal", "auto", 0),
+    (4, 96, 4096, "equal", "auto", 1), (16, 80, 1024, "ragged", "auto", 1), (1, 96, 4096, "equal", "auto", 1),
+    (2, 80, 2048, "equal", "auto", 0),
+    (8, 96, 1024, "equal", "cp_async", 0), (1, 80, 1024, "equal", "cp_async_one_ahead", 5),
+    (1, 80, 1024, "equal", "tma_one_ahead", 6), (8, 96, 1024, "equal", "tma", 1)])
 def test_cuda_decode_head_sizes_80_96_loaders(dtype, batch, head_dim, capacity, rows, loader, code):
-    """At head sizes 80 and 96 (cp.async only) auto keeps one tile in flight ahead (loader code
-    5) where the grid is one wave at two CTAs an SM (on an H200: B8 32/32, 256 CTAs of one split)
-    and a batch of equal rows would not run one CTA an SM, and kStages - 1 (code 0) elsewhere:
-    at one CTA an SM (B1 32/32 L1024: 4 splits, 128 CTAs), where equal rows would run so (B4
-    32/32 L4096: 2 splits, of which equal rows take 1) and in more waves (B16 L1024, 512 CTAs).
-    Each runs under its pin whatever the grid. Each matches the reference and the CPU backend,
-    in place, without features and with RoPE, softcap, a sink and ragged rows."""
+    """At head sizes 80 and 96 auto loads by TMA (each slice row in two 64-column boxes, the
+    second padded with zeros), one tile in flight ahead (loader code 6) where the grid is one
+    wave at two CTAs an SM (on an H200: B8 32/32, 256 CTAs of one split) and a batch of equal
+    rows would not run one CTA an SM, two ahead (code 1) elsewhere: where equal rows would run
+    so (B4 32/32 L4096: 2 splits, of which equal rows take 1), in more waves (B16 L1024, 512
+    CTAs) and at 96 where the grid is one wave at one CTA an SM with splits of 512 keys or more
+    (B1 L4096: 4 splits of 1,024); by cp.async (code 0) in such a wave at 80 (B2 L2048: 2 splits
+    of 1,024) and at 96 with shorter splits (B1 L1024: 4 splits of 256). Each runs under its pin
+    whatever the grid. Each matches the reference and the CPU backend, in place, without
+    features and with RoPE, softcap, a sink and ragged rows."""
+    if code in (1, 6) and (torch.cuda.get_device_capability()[0] != 9
+                           or "9.0a" not in gqa_torch.build_info()["cuda_archs"]):
+        pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
     pasts = _loader_test_pasts(rows, batch, capacity)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     plan = gqa_torch._C._decode_plan(batch, 32, 32, capacity, sms, head_dim=head_dim)
     if loader == "auto":  # the case's premise
-        ctas = plan["max_splits"] * batch * 32
+        ctas, split_keys = plan["max_splits"] * batch * 32, capacity // plan["max_splits"]
         equal_rows_one_wave = 0 < plan["equal_rows_splits"] * batch * 32 <= sms
-        assert (code == 5) == (sms < ctas <= 2 * sms and not equal_rows_one_wave), (plan, sms)
+        one_wave_cp_async = ctas <= sms and (head_dim == 80 or split_keys < 512)
+        one_ahead = sms < ctas <= 2 * sms and not equal_rows_one_wave
+        assert code == (0 if one_wave_cp_async else 6 if one_ahead else 1), (plan, sms)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(head_dim, code, (plan, sms), batch=batch, num_heads=32, kv_num_heads=32,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
@@ -1754,7 +1766,7 @@ def _graph_decode_replay_50_steps():
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_cuda_decode_bad_row_on_tensor_cores(dtype, head_dim, decode_loader, decode_merge):
     """A bad row among valid ones on the tensor-core decode kernel (fused in place), with each
     loader and each merge: no cache byte changes (guard regions included), every output is NaN
@@ -1799,7 +1811,7 @@ def _check_bad_row_on_tensor_cores(dtype, head_dim):
     run_and_check(valid, rotary_ulps=ROTARY_ULPS, suite="cuda")  # cleared: the next call is right
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 @pytest.mark.parametrize("early", ["off", "auto"])
 def test_cuda_decode_early_tiles_switch(head_dim, early):
     """The decode kernel's first K/V tiles issued after the error word and the row checks
@@ -1837,7 +1849,7 @@ def test_cuda_decode_l2_prefetch_switch(head_dim, prefetch):
         _check_bad_row_on_tensor_cores("bf16", head_dim)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 @pytest.mark.parametrize("fetch", ["sectors", "128B", "256B"])
 def test_cuda_decode_l2_fetch_switch(head_dim, fetch, decode_loader):
     """How much L2 fetches around each of the decode kernel's TMA copies (the maps' promotion),

@@ -5,7 +5,7 @@
 // (all G of them when G <= 16), so each K/V byte is read from memory once. The CTA takes keys
 // [k0, k1) of the row's visible range (split-K; the active split count is chosen here from the
 // row's length), streams them through a pipeline of kStages tiles (loaded by TMA, each warp its
-// own 16 keys, or 32 under kLoadTmaWide, on sm90 at head sizes 64/128/256, with K instead
+// own 16 keys, or 32 under kLoadTmaWide, on sm90 at every fast head size, with K instead
 // loaded straight into registers at 64/128 under a pin; by cp.async, the whole CTA,
 // elsewhere: auto's choices are in launch_decode_mma_d), and each warp multiplies its 16 keys
 // of a tile (32: two k-steps of P V) with mma.sync m16n8k16:
@@ -43,10 +43,11 @@ namespace detail {
 // cp.async loader with three stages instead of five at head size 64, for the same grids when
 // their splits are short; kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in
 // flight ahead instead of kStages - 1, at head sizes 80 and 96 for grids of one wave at two CTAs
-// an SM; kLoadTmaOneAhead the same for the TMA loader at head size 128, for grids of more CTAs
-// than SMs with splits of 1,024-4,096 keys; and kLoadTmaShallow the TMA loader with three
-// stages instead of five at head size 64, so that four CTAs share an SM, for grids of more than
-// three CTAs an SM with short splits in row order (launch_decode_mma_d); kLoadTmaWide the TMA
+// an SM; kLoadTmaOneAhead the same for the TMA loader, at head size 128 for grids of more CTAs
+// than SMs with splits of 1,024-4,096 keys and at 80 and 96 for one wave at two CTAs an SM; and
+// kLoadTmaShallow the TMA loader with three stages instead of five at head size 64, so that four
+// CTAs share an SM, for grids of more than three CTAs an SM with short splits in row order
+// (launch_decode_mma_d); kLoadTmaWide the TMA
 // loader at head size 64 with 32 keys a warp a stage instead of 16, in three stages of twice the
 // bytes (the same bytes in flight), so that each warp's online-softmax step (the row maxima, the
 // rescale of O, the barrier wait) serves twice the keys.
@@ -83,7 +84,11 @@ struct DecodeCfg {
   static constexpr int kSliceKeys = kWide ? 32 : 16;  // keys a warp takes from each stage
   static constexpr int kTile = kSliceKeys * kWarps;  // keys per pipeline stage
   static constexpr int kStride = D + 8;  // smem row pitch in elements: +16 B makes ldmatrix conflict-free
-  static constexpr size_t kSliceBytes = kSliceKeys * D * 2;  // kTma: one warp's keys of K (or V)
+  // kTma: a slice row is D / 64 boxes of 64 columns, rounded up: at head sizes 80 and 96 the
+  // second box's columns past D lie outside the tensor map, so TMA fills them with zeros
+  // without reading memory, and the mmas never read them.
+  static constexpr int kBoxes = (D + 63) / 64;
+  static constexpr size_t kSliceBytes = kSliceKeys * kBoxes * 64 * 2;  // kTma: one warp's keys of K (or V)
   static constexpr size_t kStageBytes =
       kTma ? (kRegK ? 1 : 2) * kWarps * kSliceBytes : 2 * kTile * kStride * 2;  // K (unless kRegK) and V
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
@@ -93,7 +98,7 @@ struct DecodeCfg {
   static constexpr bool kShallow = kLoader == kLoadCpAsyncShallow || kLoader == kLoadTmaShallow;
   static constexpr int kStages = kRegK                  ? (D <= 64 ? 8 : 5)
                                  : (kShallow || kWide) ? 3
-                                            : (D <= 64 ? 5 : (D <= 96 ? 4 : 3));
+                                            : (D <= 64 ? 5 : (D <= 96 && !kTma ? 4 : 3));
   // Tiles in flight ahead of the one being computed. kLoadCpAsyncOneAhead and kLoadTmaOneAhead:
   // one, in the ring (and the shared memory, so as many CTAs an SM) of kLoadCpAsync and kLoadTma.
   static constexpr bool kOneAhead = kLoader == kLoadCpAsyncOneAhead || kLoader == kLoadTmaOneAhead;
@@ -106,7 +111,6 @@ struct DecodeCfg {
   static constexpr size_t kAlignPad = kTma ? 1024 : 0;  // the swizzled stages start 1024-byte aligned
   static constexpr size_t kSmem = kQBytes + kAlignPad + kStages * kStageBytes + kNewBytes;
   static_assert(D % 16 == 0, "tensor-core decode needs D % 16 == 0");
-  static_assert(!kTma || D % 64 == 0, "the TMA boxes are 64 columns wide");
   static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
   static_assert(!kWide || D == 64, "32-key slices: head size 64 only (the stages' bytes)");
@@ -457,7 +461,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     const uint32_t bar = slice_bars + 8u * stage;
     mbarrier_arrive_expect_bytes(bar, static_cast<uint32_t>((kRegK ? 1 : 2) * Cfg::kSliceBytes));
 #pragma unroll
-    for (int cb = 0; cb < D / 64; ++cb) {
+    for (int cb = 0; cb < Cfg::kBoxes; ++cb) {
       if constexpr (!kRegK) {
         tma_load_4d(slice_chunk_shared(stage, false, cb), &maps.k,
                     cb * 64, row, kv_head, row_b, bar);
@@ -1058,19 +1062,21 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
-// head sizes 128 and 256, at 128 one tile ahead where more CTAs than SMs stream splits of
-// 1,024-4,096 keys, at 256 four warps a CTA where the grid is one wave at one CTA an SM; at 64,
-// TMA in three stages where more than three CTAs an SM stream splits of up to 2,048 keys in
-// row order (not longest first), else TMA with 32-key slices where the splits hold 512 keys of
-// capacity or more; cp.async elsewhere, in three stages at 64 where the grid is one wave at one
-// CTA an SM of short splits, one tile ahead at 80 and 96 where it is one wave at two CTAs an
-// SM), 1 cp.async always (five stages at 64, three tiles ahead at 80 and
-// 96), 2 TMA where it can run (two tiles ahead at 128, five stages at 64), 3 K by plain loads
-// into registers and V by TMA where it can run (head sizes 64 and 128), else as auto, 4 as 2
-// with four warps a CTA at 256 whatever the grid, 5 cp.async in three stages at 64 whatever the
-// grid, 6 cp.async one tile ahead at 80 and 96 whatever the grid (5 and 6 elsewhere as 1), 7
-// TMA one tile ahead at 128 whatever the grid, 8 TMA in three stages at 64 whatever the grid, 9
-// TMA with 32-key slices at 64 whatever the grid (7, 8 and 9 elsewhere as 2).
+// head sizes 80, 96, 128 and 256, one tile ahead at 128 where more CTAs than SMs stream splits
+// of 1,024-4,096 keys and at 80 and 96 where the grid is one wave at two CTAs an SM, at 256 four
+// warps a CTA where the grid is one wave at one CTA an SM; at 64, TMA in three stages where
+// more than three CTAs an SM stream splits of up to 2,048 keys in row order (not longest
+// first), else TMA with 32-key slices where the splits hold 512 keys of capacity or more;
+// cp.async elsewhere, in three stages at 64 where the grid is one wave at one CTA an SM of
+// short splits, and at 80 and 96 where it is one wave at one CTA an SM (at 96 of splits of
+// fewer than 512 keys), or without TMA one tile ahead where it is one wave at two CTAs an SM), 1 cp.async
+// always (five stages at 64, three tiles ahead at 80 and 96), 2 TMA where it can run (two tiles
+// ahead at 80, 96 and 128, five stages at 64), 3 K by plain loads into registers and V by TMA
+// where it can run (head sizes 64 and 128), else as auto, 4 as 2 with four warps a CTA at 256
+// whatever the grid, 5 cp.async in three stages at 64 whatever the grid, 6 cp.async one tile
+// ahead at 80 and 96 whatever the grid (5 and 6 elsewhere as 1), 7 TMA one tile ahead at 80,
+// 96 and 128 whatever the grid, 8 TMA in three stages at 64 whatever the grid, 9 TMA with
+// 32-key slices at 64 whatever the grid (7, 8 and 9 elsewhere as 2).
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).
@@ -1161,7 +1167,7 @@ template <typename T, int D>
 bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
-  bool tma = D % 64 == 0 && kBuiltSm90a && pinned != kPinCpAsync && pinned != kPinCpAsyncShallow &&
+  bool tma = kBuiltSm90a && pinned != kPinCpAsync && pinned != kPinCpAsyncShallow &&
              pinned != kPinCpAsyncOneAhead && device_is_sm90();
   // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies
   // and plain loads always ask for).
@@ -1301,11 +1307,40 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
       tma = false;
     }
   }
-  if constexpr (D % 64 == 0) {
-    if (tma && (pinned == kPinTma || pinned == kPinTmaFourWarps || pinned == kPinTmaOneAhead ||
-                pinned == kPinTmaShallow || pinned == kPinTmaWide || auto_tma))
+  // At D = 80 and 96 auto takes TMA (each slice row two boxes, the second padded to 64 columns
+  // with zeros, DecodeCfg::kBoxes), one tile ahead where the grid is one wave at two CTAs an SM
+  // and a batch of equal rows would not run one CTA an SM (as the cp.async loader below). Where
+  // the grid is one wave of at most one CTA an SM, cp.async stays at D = 80 and for splits of
+  // fewer than 512 keys of capacity at 96. Fifty-sixth round, one H200, one process,
+  // interleaved, two passes, us, TMA / TMA one ahead / cp.async as auto took it before (one
+  // tile ahead at B = 8; SDPA cuDNN in brackets):
+  // - More CTAs than SMs: B8 32/32/80 L2048 45.2-45.3 / 44.4 / 45.2 (44.0), lengths from 256
+  //   33.3-33.6 / 32.5-32.8 / 34.3-34.6; B8 32/32/96 L4096 100.8-101.0 / 99.0-99.1 / 101.9-102.2
+  //   (100.7), lengths from 256 77.5-77.6 / 74.8-74.9 / 79.3-79.5; B8 24/8/96 L8192 53.2-53.4 /
+  //   52.6 / 54.4 (54.8-54.9); B4 32/32/96 L4096, equal rows one CTA an SM, 52.3-52.6 /
+  //   56.5-56.9 / 54.3-54.6 (54.5-54.8); B12 32/32/96 L4096 145.9-146.7 / 145.8-146.3 /
+  //   152.8-155.7 (160.4-160.6); B12 32/32/80 L2048 66.9-67.0 / 66.7-66.9 / 68.3-68.6; B16
+  //   32/32/80 L1024 46.6 / 46.4 / 47.7-47.9 (46.2); B32 32/32/80 L2048 165.9-166.4 /
+  //   167.4-167.7 / 170.2-170.8 (161.3-161.8); B32 32/32/96 L4096 379.6-382.3 / 375.2-376.0 /
+  //   391.5-394.3 (377.6-380.2).
+  // - One CTA an SM (128 CTAs), TMA / cp.async: at 96, B1 32/32 L4096 (1,024-key splits) 16.8 /
+  //   17.4, L8192 28.9 / 29.7, B2 L2048 16.8-16.9 / 17.2, B1 24/8 L16384 17.2 / 17.6, L8192 (512
+  //   keys) 11.1-11.2 / 11.3, B1 32/32 L2048 (512) 11.0 / 11.1-11.4, but B1 32/32 L1024 (256)
+  //   8.1-8.3 / 8.0-8.3 and B1 24/8 L4096 (256) 8.2 / 8.0-8.1; at 80 cp.async at every length:
+  //   B1 32/32 L2048 (512) 10.6-10.7 / 10.3-10.4, L4096 16.1 / 15.2-15.3, L8192 27.2 / 26.2, B2
+  //   L2048 16.4 / 15.6, B4 L1024 14.8 / 14.0, B1 16/16 L8192 16.2-16.3 / 15.4, B4 L2048 lengths
+  //   from 256 23.5 / 22.3.
+  if constexpr (D == 80 || D == 96) {
+    const bool one_wave_cp_async = ctas <= sms && (D == 80 || split_keys < 512);
+    const bool one_ahead = ctas > sms && ctas <= 2 * sms && !equal_rows_one_wave;
+    if (tma && ((pinned == kPinLoaderAuto && !one_wave_cp_async && one_ahead) || pinned == kPinTmaOneAhead))
+      return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);
+    if (tma && pinned == kPinLoaderAuto && !one_wave_cp_async)
       return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
+  if (tma && (pinned == kPinTma || pinned == kPinTmaFourWarps || pinned == kPinTmaOneAhead ||
+              pinned == kPinTmaShallow || pinned == kPinTmaWide || auto_tma))
+    return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   // At D = 64, where the grid is one wave of at most one CTA an SM and the splits are short (512
   // keys of capacity or fewer, eight tiles), auto's cp.async takes three stages instead of five
   // (kLoadCpAsyncShallow). Forty-first round, one H200, interleaved in one process, us, three /
@@ -1319,7 +1354,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     if ((pinned == kPinLoaderAuto && ctas <= sms && short_ranges) || pinned == kPinCpAsyncShallow)
       return launch_decode_loader<T, D, kLoadCpAsyncShallow>(p, w, fused, stream, maps);
   }
-  // At D = 80 and 96 (cp.async only: the TMA boxes are 64 columns wide), where the grid is one
+  // At D = 80 and 96 by cp.async (without TMA, or under the pins), where the grid is one
   // wave at two CTAs an SM (more CTAs than SMs, at most twice as many) and a batch of equal rows
   // would not run one CTA an SM, auto keeps one tile in flight ahead instead of three
   // (kLoadCpAsyncOneAhead). Forty-first round, one H200, one process, interleaved, us, one /
