@@ -33,21 +33,20 @@ namespace cuda {
 namespace detail {
 
 // The loaders (set_decode_loader, launch.h, picks one): the CTA copies whole tiles by cp.async;
-// each warp's lane 0 loads its 16 keys of K and V by TMA; or (kLoadTmaV) V by TMA and K by
-// plain 16-byte loads straight into the mma B fragments. On an H200, with the decode grid's CTAs
-// and nothing computed (scripts/decode_bw_probe.cu), TMA slices and K by loads with V by TMA
-// both stream 4.5-4.58 TB/s when L2 fetches 128 bytes around each read (Work::l2_fetch; TMA
-// stopped near 4.3 with the 256-byte promotion it had until the twenty-seventh round), and
-// cp.async 4.33. kLoadTmaFourWarps is the TMA loader with four warps a CTA at head size 256
-// as at the others (see DecodeCfg), for grids of at most one CTA an SM; kLoadCpAsyncShallow the
-// cp.async loader with three stages instead of five at head size 64, for the same grids when
-// their splits are short; kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in
-// flight ahead instead of kStages - 1, at head sizes 80 and 96 for grids of one wave at two CTAs
-// an SM; kLoadTmaOneAhead the same for the TMA loader, at head size 128 for grids of more CTAs
-// than SMs with splits of 1,024-4,096 keys and at 80 and 96 for one wave at two CTAs an SM; and
-// kLoadTmaShallow the TMA loader with three stages instead of five at head size 64, so that four
-// CTAs share an SM, for grids of more than three CTAs an SM with short splits in row order
-// (launch_decode_mma_d); kLoadTmaWide the TMA
+// each warp's lane 0 loads its 16 keys of K and V by TMA; or (kLoadTmaV) V by TMA and K by plain
+// 16-byte loads straight into the mma B fragments. On an H200, with the decode grid's CTAs and
+// nothing computed (scripts/decode_bw_probe.cu), TMA slices and K by loads with V by TMA both
+// stream 4.5-4.58 TB/s when L2 fetches 128 bytes around each read (Work::l2_fetch; TMA stopped near
+// 4.3 with the 256-byte promotion it had until the twenty-seventh round), and cp.async 4.33.
+// kLoadTmaFourWarps is the TMA loader with four warps a CTA at head size 256 as at the others (see
+// DecodeCfg), for grids of at most one CTA an SM; kLoadCpAsyncShallow the cp.async loader with
+// three stages instead of five at head size 64, for the same grids when their splits are short;
+// kLoadCpAsyncOneAhead the cp.async loader's ring with one tile in flight ahead instead of kStages
+// - 1, at head sizes 80 and 96 for grids of one wave at two CTAs an SM; kLoadTmaOneAhead the same
+// for the TMA loader, at head size 128 for grids of more CTAs than SMs with splits of 1,024-4,096
+// keys and at 80 and 96 for one wave at two CTAs an SM; and kLoadTmaShallow the TMA loader with
+// three stages instead of five at head size 64, so that four CTAs share an SM, for grids of more
+// than three CTAs an SM with short splits in row order (launch_decode_mma_d); kLoadTmaWide the TMA
 // loader at head size 64 with 32 keys a warp a stage instead of 16, in three stages of twice the
 // bytes (the same bytes in flight), so that each warp's online-softmax step (the row maxima, the
 // rescale of O, the barrier wait) serves twice the keys.
@@ -94,7 +93,8 @@ struct DecodeCfg {
   // Two CTAs per SM keep ~100 KB of stages each; deeper pipelines where the rows are short.
   // kLoadCpAsyncShallow: three stages at head size 64, for short splits of CTAs that have their
   // SM to itself, where fewer tiles a CTA in flight read faster; kLoadTmaShallow: three TMA
-  // stages at 64 (about 51 KB), so that four CTAs share an SM (launch_decode_mma_d).
+  // stages at 64 (about 51 KB), so that four CTAs share an SM (launch_decode_mma_d). TMA at 80
+  // and 96 takes three, as at 128: its slices are 128 columns wide (kBoxes).
   static constexpr bool kShallow = kLoader == kLoadCpAsyncShallow || kLoader == kLoadTmaShallow;
   static constexpr int kStages = kRegK                  ? (D <= 64 ? 8 : 5)
                                  : (kShallow || kWide) ? 3
@@ -1062,21 +1062,21 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
 }
 
 // set_decode_loader (launch.cu): 0 auto (on an sm90 device in an sm90a build: TMA for K and V at
-// head sizes 80, 96, 128 and 256, one tile ahead at 128 where more CTAs than SMs stream splits
-// of 1,024-4,096 keys and at 80 and 96 where the grid is one wave at two CTAs an SM, at 256 four
-// warps a CTA where the grid is one wave at one CTA an SM; at 64, TMA in three stages where
-// more than three CTAs an SM stream splits of up to 2,048 keys in row order (not longest
-// first), else TMA with 32-key slices where the splits hold 512 keys of capacity or more;
-// cp.async elsewhere, in three stages at 64 where the grid is one wave at one CTA an SM of
-// short splits, and at 80 and 96 where it is one wave at one CTA an SM (at 96 of splits of
-// fewer than 512 keys), or without TMA one tile ahead where it is one wave at two CTAs an SM), 1 cp.async
-// always (five stages at 64, three tiles ahead at 80 and 96), 2 TMA where it can run (two tiles
-// ahead at 80, 96 and 128, five stages at 64), 3 K by plain loads into registers and V by TMA
-// where it can run (head sizes 64 and 128), else as auto, 4 as 2 with four warps a CTA at 256
-// whatever the grid, 5 cp.async in three stages at 64 whatever the grid, 6 cp.async one tile
-// ahead at 80 and 96 whatever the grid (5 and 6 elsewhere as 1), 7 TMA one tile ahead at 80,
-// 96 and 128 whatever the grid, 8 TMA in three stages at 64 whatever the grid, 9 TMA with
-// 32-key slices at 64 whatever the grid (7, 8 and 9 elsewhere as 2).
+// head sizes 80, 96, 128 and 256, one tile ahead at 128 where more CTAs than SMs stream splits of
+// 1,024-4,096 keys and at 80 and 96 where the grid is one wave at two CTAs an SM, at 256 four warps
+// a CTA where the grid is one wave at one CTA an SM; at 64, TMA in three stages where more than
+// three CTAs an SM stream splits of up to 2,048 keys in row order (not longest first), else TMA
+// with 32-key slices where the splits hold 512 keys of capacity or more; cp.async elsewhere, in
+// three stages at 64 where the grid is one wave at one CTA an SM of short splits, and at 80 and 96
+// where it is one wave at one CTA an SM (at 96 of splits of fewer than 512 keys), or without TMA
+// one tile ahead where it is one wave at two CTAs an SM), 1 cp.async always (five stages at 64,
+// three tiles ahead at 80 and 96), 2 TMA where it can run (two tiles ahead at 80, 96 and 128, five
+// stages at 64), 3 K by plain loads into registers and V by TMA where it can run (head sizes 64 and
+// 128), else as auto, 4 as 2 with four warps a CTA at 256 whatever the grid, 5 cp.async in three
+// stages at 64 whatever the grid, 6 cp.async one tile ahead at 80 and 96 whatever the grid (5 and 6
+// elsewhere as 1), 7 TMA one tile ahead at 80, 96 and 128 whatever the grid, 8 TMA in three stages
+// at 64 whatever the grid, 9 TMA with 32-key slices at 64 whatever the grid (7, 8 and 9 elsewhere
+// as 2).
 extern std::atomic<int> g_decode_loader;
 // set_decode_merge (launch.cu): 0 auto (see launch_decode_kernel), 1 the merge kernel always,
 // 2 the last CTA to arrive wherever the stream has arrival counters (else the merge kernel).

@@ -15,22 +15,22 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
 // sm90a build: TMA onto per-warp mbarriers at head sizes 80, 96, 128 and 256, with one tile in
-// flight ahead at 128 where more CTAs than SMs stream splits of 1,024-4,096 keys and at 80 and
-// 96 where the grid is one wave at two CTAs an SM, at 256 with four warps a CTA where the grid
-// is one wave at one CTA an SM; at 64 TMA in three stages where more than three CTAs an SM
-// stream short key ranges in row order, else TMA with 32 keys a warp a stage where the splits
-// hold 512 keys of capacity or more; cp.async otherwise, in three stages at 64, and at 80 and 96
-// where the grid is one wave at one CTA an SM (at 96 of splits of fewer than 512 keys), or
-// without TMA with one tile in flight ahead where it is one wave at two CTAs an SM), 1 cp.async always (two
-// warps a CTA at 256, five stages at 64, three tiles ahead at 80 and 96), 2 TMA where it can run
-// (five stages at 64, two tiles ahead at 80, 96 and 128, as auto picks the warps at 256), 3
-// ("regs_k") K by plain loads into the mma fragments and V by TMA where that can run (head sizes
-// 64 and 128), 4 ("tma_four_warps") as 2, with four warps a CTA at 256 whatever the grid, 5
-// ("cp_async_shallow") cp.async in three stages at 64 whatever the grid, 6
-// ("cp_async_one_ahead") cp.async one tile ahead at 80 and 96 whatever the grid (5 and 6
-// elsewhere as 1), 7 ("tma_one_ahead") TMA one tile ahead at 80, 96 and 128 whatever the grid,
-// 8 ("tma_shallow") TMA in three stages at 64 whatever the grid, 9 ("tma_wide") TMA with 32 keys
-// a warp a stage at 64 whatever the grid (7, 8 and 9 elsewhere as 2).
+// flight ahead at 128 where more CTAs than SMs stream splits of 1,024-4,096 keys and at 80 and 96
+// where the grid is one wave at two CTAs an SM, at 256 with four warps a CTA where the grid is one
+// wave at one CTA an SM; at 64 TMA in three stages where more than three CTAs an SM stream short
+// key ranges in row order, else TMA with 32 keys a warp a stage where the splits hold 512 keys of
+// capacity or more; cp.async otherwise, in three stages at 64, and at 80 and 96 where the grid is
+// one wave at one CTA an SM (at 96 of splits of fewer than 512 keys), or without TMA with one tile
+// in flight ahead where it is one wave at two CTAs an SM), 1 cp.async always (two warps a CTA at
+// 256, five stages at 64, three tiles ahead at 80 and 96), 2 TMA where it can run (five stages at
+// 64, two tiles ahead at 80, 96 and 128, as auto picks the warps at 256), 3 ("regs_k") K by plain
+// loads into the mma fragments and V by TMA where that can run (head sizes 64 and 128), 4
+// ("tma_four_warps") as 2, with four warps a CTA at 256 whatever the grid, 5 ("cp_async_shallow")
+// cp.async in three stages at 64 whatever the grid, 6 ("cp_async_one_ahead") cp.async one tile
+// ahead at 80 and 96 whatever the grid (5 and 6 elsewhere as 1), 7 ("tma_one_ahead") TMA one tile
+// ahead at 80, 96 and 128 whatever the grid, 8 ("tma_shallow") TMA in three stages at 64 whatever
+// the grid, 9 ("tma_wide") TMA with 32 keys a warp a stage at 64 whatever the grid (7, 8 and 9
+// elsewhere as 2).
 void set_decode_loader(int loader);
 // set_decode_loader's values by name, in the order of the names cuda_backend.cpp accepts.
 enum DecodeLoaderPin : int {
