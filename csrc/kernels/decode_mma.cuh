@@ -1193,6 +1193,9 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // A batch of equal rows would take one wave of at most one CTA an SM (Plan::equal_rows_splits)
   // in a grid of more CTAs.
   const bool equal_rows_one_wave = w.equal_rows_splits > 0 && w.equal_rows_splits * slots <= sms;
+  // One wave at two CTAs an SM (more CTAs than SMs, at most twice as many) that equal rows would
+  // not reduce to one CTA an SM: where the loaders at 80 and 96 keep one tile ahead (below).
+  const bool one_wave_at_two = ctas > sms && ctas <= 2 * sms && !equal_rows_one_wave;
   if constexpr (D == 64 || D == 128) {
     // K into registers (V by TMA) only under its pin. Auto took it at D = 128 while the TMA maps
     // promoted 256 bytes (eleventh H200 round: B16 64/8 L8192, 256 CTAs of 4,096 keys, 133 us
@@ -1331,12 +1334,10 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   //   L2048 16.4 / 15.6, B4 L1024 14.8 / 14.0, B1 16/16 L8192 16.2-16.3 / 15.4, B4 L2048 lengths
   //   from 256 23.5 / 22.3.
   if constexpr (D == 80 || D == 96) {
-    const bool one_wave_cp_async = ctas <= sms && (D == 80 || split_keys < 512);
-    const bool one_ahead = ctas > sms && ctas <= 2 * sms && !equal_rows_one_wave;
-    if (tma && ((pinned == kPinLoaderAuto && !one_wave_cp_async && one_ahead) || pinned == kPinTmaOneAhead))
+    const bool auto_tma_here = pinned == kPinLoaderAuto && !(ctas <= sms && (D == 80 || split_keys < 512));
+    if (tma && ((auto_tma_here && one_wave_at_two) || pinned == kPinTmaOneAhead))
       return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);
-    if (tma && pinned == kPinLoaderAuto && !one_wave_cp_async)
-      return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
+    if (tma && auto_tma_here) return launch_decode_loader<T, D, kLoadTma>(p, w, fused, stream, maps);
   }
   if (tma && (pinned == kPinTma || pinned == kPinTmaFourWarps || pinned == kPinTmaOneAhead ||
               pinned == kPinTmaShallow || pinned == kPinTmaWide || auto_tma))
@@ -1363,7 +1364,6 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // three stay: one ahead tied at B16 32/32/80 L1024 (512 CTAs; 47.2-47.3 / 47.3-47.5), lost at
   // B32 32/32/80 L2048 (1,024 CTAs; 171.4 / 169.1) and at B4 32/32/96 L4096, whose equal rows
   // run one CTA an SM (58.8 / 53.7), and at B = 1 (10.6 / 10.5).
-  const bool one_wave_at_two = ctas > sms && ctas <= 2 * sms && !equal_rows_one_wave;
   if constexpr (D == 80 || D == 96) {
     if ((pinned == kPinLoaderAuto && one_wave_at_two) || pinned == kPinCpAsyncOneAhead)
       return launch_decode_loader<T, D, kLoadCpAsyncOneAhead>(p, w, fused, stream, maps);
