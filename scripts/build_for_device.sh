@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds gqa_torch._C here (no GPU needed) for the device machine, so that a device call can skip
 # its own build (110-190 s there): the device runs Python 3.12 with torch 2.11.0+cu130, the same
-# wheel PyPI serves, and this machine's nvcc 13.0 compiles for sm_90a. Pass the two paths it
-# prints to the device tool's `carry`, and leave `build` out of gpu_check.sh's steps.
+# wheel PyPI serves, and this machine's nvcc 13.0 compiles for sm_90a. Pass the paths it
+# prints to the device tool's `carry`, and leave `build` out of gpu_check.sh's steps (the third,
+# .device_wheels, holds the test dependencies the device lacks: scripts/gpu_validate.sh).
 #
 #   bash scripts/build_for_device.sh            # ~5 min on 2 cores; the venv is made once
 #
@@ -29,3 +30,8 @@ TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=${MAX_JOBS:-2} GQA_REQUIRE_CUDA=1 CC=/usr/bin
   || { tail -30 /tmp/gqa_build_for_device.log; exit 1; }
 echo "built in $(( $(date +%s) - start )) s; carry:"
 ls gqa_torch/_C.cpython-312-*.so gqa_torch/_build_info.py
+# The device has no hypothesis (tests/test_fuzz.py) and no network: its wheels, for
+# scripts/gpu_validate.sh to install there. Best effort: without them the fuzz file skips itself.
+if "$VENV/bin/pip" download -q --only-binary=:all: --python-version 3.12 -d .device_wheels hypothesis > /dev/null 2>&1; then
+  echo .device_wheels
+fi

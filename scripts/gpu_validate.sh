@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The whole GPU validation of the landed code in two device calls, each under the device tool's
+# 600 s, on an extension built beforehand (scripts/build_for_device.sh here, carried; or
+# `bash scripts/gpu_check.sh build` there first):
+#
+#   bash scripts/gpu_validate.sh decode  # every non-prefill test of the five decode files in 13
+#                                        # processes (about 340 s), then memcheck, racecheck and
+#                                        # synccheck over 63 decode cases, side by side
+#   bash scripts/gpu_validate.sh rest    # the decode tables alone (bench_decode.py --no-flex),
+#                                        # then the prefill GPU tests in five processes beside
+#                                        # the other test files (the CUDA fuzz, parity, torch
+#                                        # integration, soak and concurrency, ORT)
+#
+# Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
+# (csrc/kernels/NOTES.md, "A full decode round on one H200 in one call"), and leaves one log
+# archive a part under $OUT (part_*/gpu_logs.tgz). test_fuzz.py needs hypothesis, which the
+# device machine lacks and cannot download: scripts/build_for_device.sh puts its wheels in
+# .device_wheels/, and this script installs them from there when that folder was carried.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT_OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$ROOT_OUT"
+status=0
+
+if ! python3 -c "import hypothesis" 2>/dev/null && [ -d .device_wheels ]; then
+  python3 -m pip install -q --no-index --find-links .device_wheels hypothesis > "$ROOT_OUT/pip_hypothesis.log" 2>&1 \
+    || echo "gpu_validate: hypothesis did not install from .device_wheels (see pip_hypothesis.log)"
+fi
+
+# One gpu_check.sh run whose logs go to $ROOT_OUT/part_$1 (its own archive), with the rest of
+# the arguments as its steps.
+# Returns gpu_check.sh's status.
+part() {
+  local name=$1 rc=0; shift
+  OUT=$ROOT_OUT/part_$name bash scripts/gpu_check.sh "$@" > "$ROOT_OUT/part_$name.txt" 2>&1 || rc=1
+  echo "== $name"; cat "$ROOT_OUT/part_$name.txt"
+  return $rc
+}
+
+DECODE_FILES="tests/test_cuda.py tests/test_hf.py tests/test_user_layer.py tests/test_decode_schedule.py tests/test_validation.py"
+# The shards: the balanced partition's tests in three, the ragged batches in two, then the
+# equal rows, the bad rows (two), the error word and L2 fetch, the loaders and the head sizes;
+# the last process takes what no term matches.
+DECODE_SPLIT="decode_shares and not (more_items or bad_row or fewer_items or twice);decode_shares and (more_items or bad_row)"
+DECODE_SPLIT+=";decode_shares and (fewer_items or twice);ragged_batch_row_orders;ragged_batch and not row_orders"
+DECODE_SPLIT+=";equal_rows and not decode_shares;bad_row and not decode_shares and (64 or 80)"
+DECODE_SPLIT+=";bad_row and not decode_shares and not (64 or 80);error or l2_fetch;decode_loaders;head_size_64"
+DECODE_SPLIT+=";head_size and not head_size_64"
+# Every decode loader at every fast head size (bf16), the balanced partition, the merge kernel
+# over many splits and the equal rows' tail splits.
+SANITIZE_K="((head_size_128_loaders or head_sizes_80_96_loaders or head_size_64_loaders or head_size_256_warps) and bf16)"
+SANITIZE_K+=" or (test_cuda_decode_shares and not (more_items or wide or fewer or twice or one_cta or bad))"
+SANITIZE_K+=" or merge_kernel_many_splits or equal_rows_tail_splits"
+
+case ${1:-} in
+  decode)
+    GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
+      GQA_TEST_SPLIT="$DECODE_SPLIT" part decode_tests checks || status=1
+    # After the tests: memcheck beside the equal-rows shard slowed it past its timeout.
+    GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=200 \
+      part sanitizers checks || status=1 ;;
+  rest)
+    GQA_BENCH_ARGS="--no-flex" GQA_BENCH_TIMEOUT=200 part bench bench || status=1
+    # Two test runs side by side, each told half the cores.
+    GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TESTS="tests/test_cuda.py" GQA_TEST_K="prefill" GQA_TEST_TIMEOUT=340 \
+      GQA_TEST_SPLIT="prefill_routes and fp16;prefill_routes and bf16;prefill_kernel_append;prefill_route_same_bits or prefill_many_blocks" \
+      part prefill_tests checks &
+    prefill=$!
+    GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TEST_TIMEOUT=340 GQA_TEST_SPLIT="fuzz;parity;integration" \
+      GQA_TESTS="tests/test_fuzz.py tests/test_parity.py tests/test_torch_integration.py tests/test_soak_concurrency.py tests/test_ort.py tests/test_harness.py tests/test_fast_div.py" \
+      part other_tests checks || status=1
+    wait $prefill || status=1 ;;
+  *)
+    echo "usage: bash scripts/gpu_validate.sh decode|rest"; exit 2 ;;
+esac
+exit $status
