@@ -67,23 +67,72 @@ inline float sum_lanes(float* lane) {
   return lane[0];
 }
 
+// kLanes fp32 lanes as one value (GCC's and Clang's vector extension; the target clones lower
+// it to one zmm, two ymm or four xmm registers). Loads and stores go through memcpy, so no
+// alignment is assumed. The helpers that take or return Lanes are always inlined into the
+// clones, so no call passes one across a function boundary; GCC's note that such a call's ABI
+// depends on AVX-512 (-Wpsabi) does not apply.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+#define GQA_LANES_INLINE inline __attribute__((always_inline))
+#pragma GCC diagnostic ignored "-Wpsabi"  // (for the rest of the file: GCC reports it at the end)
+
+GQA_LANES_INLINE Lanes load_lanes(const float* src) {
+  Lanes v;
+  std::memcpy(&v, src, sizeof(v));
+  return v;
+}
+
+GQA_LANES_INLINE float sum_lanes(const Lanes& v) {
+  float lane[kLanes];
+  std::memcpy(lane, &v, sizeof(lane));
+  return sum_lanes(lane);
+}
+
+// The kRowBlock (four) rows' dot products with one key: one accumulator a row.
+struct RowDots {
+  Lanes row[4] = {};
+};
+
 // scores[r * kKeyTile + j] = q_r . key_j for the kRowBlock rows of `queries` (row stride D).
+// Written with explicit lane vectors, two keys at a time: from plain loops over lane arrays GCC
+// built the vector clones out of scalar FMAs and lane inserts, and this function took 45% of a
+// CPU prefill call. Two keys give eight independent accumulators, enough to cover the FMA
+// latency. Each lane sums its columns in the order the plain loops did.
 GQA_MULTIVERSION void score_block(const float* __restrict queries, const float* const* keys,
                                   int count, int D, float* __restrict scores) {
-  for (int j = 0; j < count; ++j) {
-    const float* __restrict k = keys[j];
-    float lane[kRowBlock][kLanes] = {};
-    int d = 0;
-    for (; d + kLanes <= D; d += kLanes)
-      for (int i = 0; i < kLanes; ++i)
-#pragma GCC unroll 4
-        for (int r = 0; r < kRowBlock; ++r) lane[r][i] += queries[r * D + d + i] * k[d + i];
-#pragma GCC unroll 4
+  static_assert(kRowBlock == 4, "score_block keeps four rows' accumulators");
+  const int vector_end = D / kLanes * kLanes;
+  auto finish = [&](const RowDots& dots, const float* __restrict k, int j) {
     for (int r = 0; r < kRowBlock; ++r) {
-      float sum = sum_lanes(lane[r]);
-      for (int t = d; t < D; ++t) sum += queries[r * D + t] * k[t];  // D % kLanes tail
+      float sum = sum_lanes(dots.row[r]);
+      for (int t = vector_end; t < D; ++t) sum += queries[r * D + t] * k[t];  // D % kLanes tail
       scores[r * kKeyTile + j] = sum;
     }
+  };
+  int j = 0;
+  for (; j + 2 <= count; j += 2) {
+    const float* __restrict k0 = keys[j];
+    const float* __restrict k1 = keys[j + 1];
+    RowDots dots0, dots1;
+    for (int d = 0; d < vector_end; d += kLanes) {
+      const Lanes key0 = load_lanes(k0 + d), key1 = load_lanes(k1 + d);
+      for (int r = 0; r < kRowBlock; ++r) {
+        const Lanes q = load_lanes(queries + r * D + d);
+        dots0.row[r] += q * key0;
+        dots1.row[r] += q * key1;
+      }
+    }
+    finish(dots0, k0, j);
+    finish(dots1, k1, j + 1);
+  }
+  for (; j < count; ++j) {
+    const float* __restrict k = keys[j];
+    RowDots dots;
+    for (int d = 0; d < vector_end; d += kLanes) {
+      const Lanes key = load_lanes(k + d);
+      for (int r = 0; r < kRowBlock; ++r) dots.row[r] += load_lanes(queries + r * D + d) * key;
+    }
+    finish(dots, k, j);
   }
 }
 
@@ -111,39 +160,53 @@ GQA_MULTIVERSION void accumulate_block(float* __restrict acc, const float* __res
       for (int j = 0; j < count; ++j) acc[r * D + d] += weights[r * kKeyTile + j] * values[j][d];
 }
 
-// e^x for x in [-87, 0], branch-free so it vectorises (libm's expf is a scalar call):
-// x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^7, 2^n from the exponent bits.
-// Relative error about 1e-7.
-inline float exp_bounded(float x) {
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;  // ln2 in two parts
+// e^x lane by lane for x in [-87, 0] (libm's expf is a scalar call): x = n ln2 + r with
+// |r| <= ln2/2, e^r by its Taylor series to r^7, 2^n from the exponent bits. Relative error
+// about 1e-7. n is rounded by adding and taking away 1.5 x 2^23 (exact for |x log2 e| < 2^22).
+GQA_LANES_INLINE Lanes exp_bounded(Lanes x) {
+  typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  constexpr float kRound = 12582912.f;  // 1.5 x 2^23
+  const Lanes n = (x * 1.44269504f + kRound) - kRound;
+  const Lanes r = (x - n * 0.693145752f) - n * 1.42860677e-06f;  // ln2 in two parts
   constexpr float kTaylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  float e = 1.f / 5040;  // Horner, from r^7 down
+  Lanes e = Lanes{} + 1.f / 5040;  // Horner, from r^7 down
   for (float c : kTaylor) e = e * r + c;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_to_n;
+  const IntLanes bits = (__builtin_convertvector(n, IntLanes) + 127) << 23;
+  Lanes two_to_n;
   std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
   return e * two_to_n;
 }
 
 // x[j] = e^(x[j] - max) for j in [0, n), where every x[j] <= max; returns their sum. Below
-// e^-87 (a weight of 1e-38 next to the max's 1) the exponent is clamped, in a loop of its own:
-// a clamp inside the exp loop gets turned into a branch that stops vectorisation.
+// e^-87 (a weight of 1e-38 next to the max's 1) the exponent is clamped. Explicit lane vectors:
+// GCC's clones of the plain loops ran the exponentials one lane at a time. The last partial
+// chunk goes through a padded copy, so that nothing past x[n - 1] is read or written.
+GQA_LANES_INLINE Lanes exp_shifted(Lanes v, float max) {
+  v -= max;
+  return exp_bounded(v < -87.f ? Lanes{} - 87.f : v);
+}
+
 GQA_MULTIVERSION float exp_and_sum(float* __restrict x, int n, float max) {
-  for (int j = 0; j < n; ++j) x[j] = std::max(x[j] - max, -87.f);
-  float lane[kLanes] = {};
+  Lanes total = {};
   int j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int i = 0; i < kLanes; ++i) {
-      x[j + i] = exp_bounded(x[j + i]);
-      lane[i] += x[j + i];
-    }
-  float sum = sum_lanes(lane);
-  for (; j < n; ++j) {
-    x[j] = exp_bounded(x[j]);
-    sum += x[j];
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes e = exp_shifted(load_lanes(x + j), max);
+    std::memcpy(x + j, &e, sizeof(e));
+    total += e;
   }
-  return sum;
+  if (j < n) {
+    const int tail = n - j;
+    float chunk[kLanes];
+    for (int i = 0; i < kLanes; ++i) chunk[i] = i < tail ? x[j + i] : max;
+    const Lanes e = exp_shifted(load_lanes(chunk), max);
+    std::memcpy(chunk, &e, sizeof(e));
+    for (int i = 0; i < kLanes; ++i) {
+      if (i < tail) x[j + i] = chunk[i];
+      else chunk[i] = 0.f;  // padding: no weight
+    }
+    total += load_lanes(chunk);
+  }
+  return sum_lanes(total);
 }
 
 // ---- element access and RoPE ------------------------------------------------------------------
