@@ -13,6 +13,7 @@ half precision, large logits, determinism, long rows that split the key range.
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -425,6 +426,53 @@ def test_thread_count_does_not_change_results():
             run_and_check(case.clone())
     finally:
         torch.set_num_threads(old)
+
+
+# The set this process runs with (gqa_torch/__init__.py reads GQA_CPU_KERNELS), restored after
+# the tests below pin others.
+PINNED_CPU_KERNELS = os.environ.get("GQA_CPU_KERNELS") or "auto"
+
+
+@pytest.mark.parametrize("kernel_set", ["baseline", "avx2", "avx512"])
+def test_cpu_kernel_sets_match_the_reference(kernel_set):
+    """Each instruction set of the CPU backend's inner loops (csrc/cpu/lane_kernels.cpp: 4, 8 and
+    16 lanes) against the float64 reference: decode, whose tasks of one or two row blocks take
+    the dot products, and prefills, whose tasks of four row blocks or more score against a
+    transposed key tile; head sizes that no lane count divides (17, 40, 72), 128 with a key split
+    and 256; every feature. A set this CPU lacks is skipped, saying so."""
+    gqa_torch._C._set_cpu_kernels(kernel_set)
+    try:
+        if gqa_torch._C._cpu_kernels() != kernel_set:
+            pytest.skip(f"this CPU (or build) has no {kernel_set} kernels; auto runs {gqa_torch._C._cpu_kernels()}")
+        cases = [
+            make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=72, capacity=300,
+                      past_lengths=[250, 97], rotary="half", softcap=2.0, q_amplitude=2.0, sink=True,
+                      dtype=torch.bfloat16),
+            make_case("inplace", batch=1, seq=1, num_heads=4, kv_num_heads=1, head_dim=128, capacity=2100,
+                      past_lengths=[2050], window=700, smooth=True),
+            make_case("functional", batch=1, seq=40, num_heads=4, kv_num_heads=1, head_dim=40, capacity=None,
+                      first_prompt=True, prompt_lengths=[40], window=9, smooth=True),
+            make_case("inplace", batch=1, seq=70, num_heads=8, kv_num_heads=2, head_dim=17, capacity=200,
+                      past_lengths=[60], rotary="interleaved", rotary_dim=16, softcap=1.0, dtype=torch.float16),
+            make_case("functional", batch=1, seq=33, num_heads=2, kv_num_heads=1, head_dim=256, capacity=40,
+                      past_lengths=[5], sink=True, scale=0.1),
+        ]
+        for case in cases:
+            run_and_check(case)
+    finally:
+        gqa_torch._C._set_cpu_kernels(PINNED_CPU_KERNELS)
+
+
+def test_cpu_kernel_switch_names_what_it_expects():
+    """Auto runs the widest set the CPU has, and a bad name is refused with the accepted ones."""
+    assert gqa_torch._C._cpu_kernels() in ("baseline", "avx2", "avx512")
+    with pytest.raises(ValueError, match=r'gqa: CPU kernels: expected one of auto, baseline, avx2, avx512, got "sse"'):
+        gqa_torch._C._set_cpu_kernels("sse")
+    gqa_torch._C._set_cpu_kernels("baseline")
+    try:
+        assert gqa_torch._C._cpu_kernels() == "baseline"
+    finally:
+        gqa_torch._C._set_cpu_kernels(PINNED_CPU_KERNELS)
 
 
 def test_reference_self_checks():

@@ -26,26 +26,25 @@
 #include <vector>
 
 #include "../core/errors.h"
+#include "lane_kernels.h"
 
 namespace gqa {
 namespace cpu {
 namespace {
 
-constexpr int kKeyTile = 64;           // keys scored together (converted to fp32 once)
 constexpr int kMaxQueryTile = 32;      // query tokens per attention task
 constexpr int kMaxRowsPerTask = 128;   // query tokens x group heads per task (bounds scratch)
 constexpr int kMinKeysPerSplit = 512;  // a shorter key split costs more than it saves
-constexpr int kRowBlock = 4;           // query rows that share each K and V load
-constexpr int kLanes = 16;             // fp32 lanes per accumulator chunk
+// Tasks of at least this many row blocks score against a transposed key tile (score_block_t):
+// the transpose costs about what the dot products' lane sums of three or four blocks do.
+constexpr int kTransposeMinBlocks = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// ---- vector kernels -------------------------------------------------------------------------
-// Plain C++ shaped so the compiler vectorises it: fixed-width lane arrays, and several query
-// rows per key so one K/V load feeds several FMAs. With GCC on x86-64 these are also built for
-// AVX2 and AVX-512 and chosen at load time by CPU feature (an "arch=" clone would test the CPU
-// model instead), because extensions are built without -march. -DGQA_NO_MULTIVERSION turns
-// this off (e.g. to test the portable code, or under sanitizers).
-
+// The inner loops (scores, exponentials, weighted values) are lane_kernels.cpp's, one set per
+// instruction set. widen converts the 16-bit types: plain C++ that GCC vectorises, also built
+// for AVX2 and AVX-512 on x86-64 and chosen at load time by CPU feature (an "arch=" clone would
+// test the CPU model instead), because extensions are built without -march.
+// -DGQA_NO_MULTIVERSION turns this off (e.g. to test the portable code, or under sanitizers).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
     !defined(GQA_NO_MULTIVERSION)
 #define GQA_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -56,157 +55,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 template <typename T>
 GQA_MULTIVERSION void widen(const T* src, int n, float* dst) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// A pairwise tree, which stays in vector registers; a serial sum would be a long scalar chain.
-inline float sum_lanes(float* lane) {
-#pragma GCC unroll 8
-  for (int width = kLanes / 2; width > 0; width /= 2)
-#pragma GCC unroll 8
-    for (int i = 0; i < width; ++i) lane[i] += lane[i + width];
-  return lane[0];
-}
-
-// kLanes fp32 lanes as one value (GCC's and Clang's vector extension; the target clones lower
-// it to one zmm, two ymm or four xmm registers). Loads and stores go through memcpy, so no
-// alignment is assumed. The helpers that take or return Lanes are always inlined into the
-// clones, so no call passes one across a function boundary; GCC's note that such a call's ABI
-// depends on AVX-512 (-Wpsabi) does not apply.
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-#define GQA_LANES_INLINE inline __attribute__((always_inline))
-#pragma GCC diagnostic ignored "-Wpsabi"  // (for the rest of the file: GCC reports it at the end)
-
-GQA_LANES_INLINE Lanes load_lanes(const float* src) {
-  Lanes v;
-  std::memcpy(&v, src, sizeof(v));
-  return v;
-}
-
-GQA_LANES_INLINE float sum_lanes(const Lanes& v) {
-  float lane[kLanes];
-  std::memcpy(lane, &v, sizeof(lane));
-  return sum_lanes(lane);
-}
-
-// The kRowBlock (four) rows' dot products with one key: one accumulator a row.
-struct RowDots {
-  Lanes row[4] = {};
-};
-
-// scores[r * kKeyTile + j] = q_r . key_j for the kRowBlock rows of `queries` (row stride D).
-// Written with explicit lane vectors, two keys at a time: from plain loops over lane arrays GCC
-// built the vector clones out of scalar FMAs and lane inserts, and this function took 45% of a
-// CPU prefill call. Two keys give eight independent accumulators, enough to cover the FMA
-// latency. Each lane sums its columns in the order the plain loops did.
-GQA_MULTIVERSION void score_block(const float* __restrict queries, const float* const* keys,
-                                  int count, int D, float* __restrict scores) {
-  static_assert(kRowBlock == 4, "score_block keeps four rows' accumulators");
-  const int vector_end = D / kLanes * kLanes;
-  auto finish = [&](const RowDots& dots, const float* __restrict k, int j) {
-    for (int r = 0; r < kRowBlock; ++r) {
-      float sum = sum_lanes(dots.row[r]);
-      for (int t = vector_end; t < D; ++t) sum += queries[r * D + t] * k[t];  // D % kLanes tail
-      scores[r * kKeyTile + j] = sum;
-    }
-  };
-  int j = 0;
-  for (; j + 2 <= count; j += 2) {
-    const float* __restrict k0 = keys[j];
-    const float* __restrict k1 = keys[j + 1];
-    RowDots dots0, dots1;
-    for (int d = 0; d < vector_end; d += kLanes) {
-      const Lanes key0 = load_lanes(k0 + d), key1 = load_lanes(k1 + d);
-      for (int r = 0; r < kRowBlock; ++r) {
-        const Lanes q = load_lanes(queries + r * D + d);
-        dots0.row[r] += q * key0;
-        dots1.row[r] += q * key1;
-      }
-    }
-    finish(dots0, k0, j);
-    finish(dots1, k1, j + 1);
-  }
-  for (; j < count; ++j) {
-    const float* __restrict k = keys[j];
-    RowDots dots;
-    for (int d = 0; d < vector_end; d += kLanes) {
-      const Lanes key = load_lanes(k + d);
-      for (int r = 0; r < kRowBlock; ++r) dots.row[r] += load_lanes(queries + r * D + d) * key;
-    }
-    finish(dots, k, j);
-  }
-}
-
-// acc_r += sum_j weights[r * kKeyTile + j] * value_j for the kRowBlock rows of `acc`. Chunks
-// of D are outermost so the accumulators stay in registers across the keys. The tile is summed
-// on its own, then added: a blocked sum, whose fp32 error grows far slower with the context
-// length than that of one running sum.
-GQA_MULTIVERSION void accumulate_block(float* __restrict acc, const float* __restrict weights,
-                                       const float* const* values, int count, int D) {
-  int d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    float lane[kRowBlock][kLanes] = {};
-    for (int j = 0; j < count; ++j) {
-      const float* __restrict v = values[j] + d;
-      for (int i = 0; i < kLanes; ++i)
-#pragma GCC unroll 4
-        for (int r = 0; r < kRowBlock; ++r) lane[r][i] += weights[r * kKeyTile + j] * v[i];
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < kRowBlock; ++r)
-      for (int i = 0; i < kLanes; ++i) acc[r * D + d + i] += lane[r][i];
-  }
-  for (; d < D; ++d)  // D % kLanes tail
-    for (int r = 0; r < kRowBlock; ++r)
-      for (int j = 0; j < count; ++j) acc[r * D + d] += weights[r * kKeyTile + j] * values[j][d];
-}
-
-// e^x lane by lane for x in [-87, 0] (libm's expf is a scalar call): x = n ln2 + r with
-// |r| <= ln2/2, e^r by its Taylor series to r^7, 2^n from the exponent bits. Relative error
-// about 1e-7. n is rounded by adding and taking away 1.5 x 2^23 (exact for |x log2 e| < 2^22).
-GQA_LANES_INLINE Lanes exp_bounded(Lanes x) {
-  typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
-  constexpr float kRound = 12582912.f;  // 1.5 x 2^23
-  const Lanes n = (x * 1.44269504f + kRound) - kRound;
-  const Lanes r = (x - n * 0.693145752f) - n * 1.42860677e-06f;  // ln2 in two parts
-  constexpr float kTaylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  Lanes e = Lanes{} + 1.f / 5040;  // Horner, from r^7 down
-  for (float c : kTaylor) e = e * r + c;
-  const IntLanes bits = (__builtin_convertvector(n, IntLanes) + 127) << 23;
-  Lanes two_to_n;
-  std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
-  return e * two_to_n;
-}
-
-// x[j] = e^(x[j] - max) for j in [0, n), where every x[j] <= max; returns their sum. Below
-// e^-87 (a weight of 1e-38 next to the max's 1) the exponent is clamped. Explicit lane vectors:
-// GCC's clones of the plain loops ran the exponentials one lane at a time. The last partial
-// chunk goes through a padded copy, so that nothing past x[n - 1] is read or written.
-GQA_LANES_INLINE Lanes exp_shifted(Lanes v, float max) {
-  v -= max;
-  return exp_bounded(v < -87.f ? Lanes{} - 87.f : v);
-}
-
-GQA_MULTIVERSION float exp_and_sum(float* __restrict x, int n, float max) {
-  Lanes total = {};
-  int j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const Lanes e = exp_shifted(load_lanes(x + j), max);
-    std::memcpy(x + j, &e, sizeof(e));
-    total += e;
-  }
-  if (j < n) {
-    const int tail = n - j;
-    float chunk[kLanes];
-    for (int i = 0; i < kLanes; ++i) chunk[i] = i < tail ? x[j + i] : max;
-    const Lanes e = exp_shifted(load_lanes(chunk), max);
-    std::memcpy(chunk, &e, sizeof(e));
-    for (int i = 0; i < kLanes; ++i) {
-      if (i < tail) x[j + i] = chunk[i];
-      else chunk[i] = 0.f;  // padding: no weight
-    }
-    total += load_lanes(chunk);
-  }
-  return sum_lanes(total);
 }
 
 // ---- element access and RoPE ------------------------------------------------------------------
@@ -355,8 +203,8 @@ struct RunningSoftmax {
 // Turns one row's `count` raw scores into weights against its running max; only
 // [visible_begin, visible_end) is visible, the other weights become 0. When the max grows,
 // what the row accumulated so far is rescaled.
-void update_row_softmax(const Params& p, float* scores, int count, int visible_begin,
-                        int visible_end, RunningSoftmax& state, float* acc_row) {
+void update_row_softmax(const Params& p, const LaneKernels& kernels, float* scores, int count,
+                        int visible_begin, int visible_end, RunningSoftmax& state, float* acc_row) {
   visible_begin = std::clamp(visible_begin, 0, count);
   visible_end = std::clamp(visible_end, visible_begin, count);
   std::fill(scores, scores + visible_begin, 0.f);
@@ -369,7 +217,7 @@ void update_row_softmax(const Params& p, float* scores, int count, int visible_b
   if (tile_max == kNegInf) return;  // nothing visible in this tile
   const float new_max = std::max(state.max, tile_max);
   const float keep = state.max == kNegInf ? 0.f : std::exp(state.max - new_max);
-  const float tile_sum = exp_and_sum(scores + visible_begin, visible_end - visible_begin, new_max);
+  const float tile_sum = kernels.exp_and_sum(scores + visible_begin, visible_end - visible_begin, new_max);
   if (keep != 1.f)
     for (int d = 0; d < p.head_dim; ++d) acc_row[d] *= keep;
   state.sum = state.sum * keep + tile_sum;
@@ -423,17 +271,22 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
   // kRowBlock. Scratch: queries, accumulators, K and V tiles in fp32 (fp32 caches are read in
   // place instead), a block of scores, cos/sin.
   constexpr bool kConvert = !std::is_same_v<T, float>;
+  const LaneKernels& kernels = lane_kernels();
   const int rows = (s_valid_end - s_begin) * G;
   const int padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const size_t row_floats = static_cast<size_t>(padded_rows) * D;
   const size_t tile_floats = kConvert ? static_cast<size_t>(kKeyTile) * D : 0;
-  const size_t scratch_floats = 2 * row_floats + 2 * tile_floats + kRowBlock * kKeyTile + D;
+  const bool transposed = padded_rows / kRowBlock >= kTransposeMinBlocks;
+  const size_t key_t_floats = transposed ? static_cast<size_t>(D) * kKeyTileT : 0;
+  const size_t scratch_floats =
+      2 * row_floats + 2 * tile_floats + key_t_floats + kRowBlock * kKeyTile + D;
   if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
   float* queries = scratch.data();
   float* acc = queries + row_floats;
   float* key_tile = acc + row_floats;
   float* value_tile = key_tile + tile_floats;
-  float* scores = value_tile + tile_floats;
+  float* key_t = value_tile + tile_floats;  // (transposed) the tile's keys, column by column
+  float* scores = key_t + key_t_floats;
   float* cos_sin = scores + kRowBlock * kKeyTile;
   std::fill(queries, queries + 2 * row_floats, 0.f);
   std::vector<RunningSoftmax> states(padded_rows);
@@ -465,15 +318,25 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
     for (int j = 0; j < count; ++j) {
       const T* k = head_row<T>(p.key_cache, p.cache_strides, b, tile_begin + j, kv_head);
       const T* v = head_row<T>(p.value_cache, p.cache_strides, b, tile_begin + j, kv_head);
-      if constexpr (kConvert) {
+      if (transposed) {
+        for (int d = 0; d < D; ++d) key_t[static_cast<size_t>(d) * kKeyTileT + j] = static_cast<float>(k[d]);
+      } else if constexpr (kConvert) {
         key_rows[j] = key_tile + j * D;
-        value_rows[j] = value_tile + j * D;
         widen(k, D, key_tile + j * D);
-        widen(v, D, value_tile + j * D);
       } else {
         key_rows[j] = k;
+      }
+      if constexpr (kConvert) {
+        value_rows[j] = value_tile + j * D;
+        widen(v, D, value_tile + j * D);
+      } else {
         value_rows[j] = v;
       }
+    }
+    if (transposed) {  // the columns a last chunk may read past the tile's keys
+      const int pad_end = std::min(count + kMaxLanes, kKeyTileT);
+      for (int d = 0; d < D; ++d)
+        std::fill(key_t + static_cast<size_t>(d) * kKeyTileT + count, key_t + static_cast<size_t>(d) * kKeyTileT + pad_end, 0.f);
     }
 
     for (int block = 0; block < padded_rows; block += kRowBlock) {
@@ -493,12 +356,14 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
       if (begin >= end) continue;
 
       float* block_acc = acc + static_cast<size_t>(block) * D;
-      score_block(queries + static_cast<size_t>(block) * D, key_rows + begin, end - begin, D,
-                  scores);
+      if (transposed)
+        kernels.score_block_t(queries + static_cast<size_t>(block) * D, key_t, begin, end, D, scores);
+      else
+        kernels.score_block(queries + static_cast<size_t>(block) * D, key_rows + begin, end - begin, D, scores);
       for (int r = 0; r < kRowBlock; ++r)  // scores start at key `begin`
-        update_row_softmax(p, scores + r * kKeyTile, end - begin, visible_begin[r] - begin,
+        update_row_softmax(p, kernels, scores + r * kKeyTile, end - begin, visible_begin[r] - begin,
                            visible_end[r] - begin, states[block + r], block_acc + r * D);
-      accumulate_block(block_acc, scores, value_rows + begin, end - begin, D);
+      kernels.accumulate_block(block_acc, scores, value_rows + begin, end - begin, D);
     }
   }
 
