@@ -269,23 +269,25 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
 
   // Rows are (token, head) pairs, token-major, padded with zero rows up to a multiple of
   // kRowBlock. Scratch: queries, accumulators, K and V tiles in fp32 (fp32 caches are read in
-  // place instead), a block of scores, cos/sin.
+  // place instead; tasks of kTransposeMinBlocks row blocks or more take K transposed, key_t),
+  // a block of scores, cos/sin.
   constexpr bool kConvert = !std::is_same_v<T, float>;
   const LaneKernels& kernels = lane_kernels();
   const int rows = (s_valid_end - s_begin) * G;
   const int padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const size_t row_floats = static_cast<size_t>(padded_rows) * D;
-  const size_t tile_floats = kConvert ? static_cast<size_t>(kKeyTile) * D : 0;
   const bool transposed = padded_rows / kRowBlock >= kTransposeMinBlocks;
+  const size_t value_tile_floats = kConvert ? static_cast<size_t>(kKeyTile) * D : 0;
+  const size_t key_tile_floats = transposed ? 0 : value_tile_floats;
   const size_t key_t_floats = transposed ? static_cast<size_t>(D) * kKeyTileT : 0;
   const size_t scratch_floats =
-      2 * row_floats + 2 * tile_floats + key_t_floats + kRowBlock * kKeyTile + D;
+      2 * row_floats + key_tile_floats + value_tile_floats + key_t_floats + kRowBlock * kKeyTile + D;
   if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
   float* queries = scratch.data();
   float* acc = queries + row_floats;
   float* key_tile = acc + row_floats;
-  float* value_tile = key_tile + tile_floats;
-  float* key_t = value_tile + tile_floats;  // (transposed) the tile's keys, column by column
+  float* value_tile = key_tile + key_tile_floats;
+  float* key_t = value_tile + value_tile_floats;  // (transposed) the tile's keys, column by column
   float* scores = key_t + key_t_floats;
   float* cos_sin = scores + kRowBlock * kKeyTile;
   std::fill(queries, queries + 2 * row_floats, 0.f);
@@ -335,8 +337,10 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
     }
     if (transposed) {  // the columns a last chunk may read past the tile's keys
       const int pad_end = std::min(count + kMaxLanes, kKeyTileT);
-      for (int d = 0; d < D; ++d)
-        std::fill(key_t + static_cast<size_t>(d) * kKeyTileT + count, key_t + static_cast<size_t>(d) * kKeyTileT + pad_end, 0.f);
+      for (int d = 0; d < D; ++d) {
+        float* row = key_t + static_cast<size_t>(d) * kKeyTileT;
+        std::fill(row + count, row + pad_end, 0.f);
+      }
     }
 
     for (int block = 0; block < padded_rows; block += kRowBlock) {
