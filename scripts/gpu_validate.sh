@@ -47,6 +47,11 @@ DECODE_SPLIT+=";decode_shares and (fewer_items or twice);ragged_batch_row_orders
 DECODE_SPLIT+=";equal_rows and not decode_shares;bad_row and not decode_shares and (64 or 80)"
 DECODE_SPLIT+=";bad_row and not decode_shares and not (64 or 80);error or l2_fetch;decode_loaders;head_size_64"
 DECODE_SPLIT+=";head_size and not head_size_64"
+# The prefill tests of test_cuda.py in five processes (the last takes what no term matches).
+PREFILL_SPLIT="prefill_routes and fp16;prefill_routes and bf16;prefill_kernel_append"
+PREFILL_SPLIT+=";prefill_route_same_bits or prefill_many_blocks"
+OTHER_FILES="tests/test_fuzz.py tests/test_parity.py tests/test_torch_integration.py tests/test_soak_concurrency.py"
+OTHER_FILES+=" tests/test_ort.py tests/test_harness.py tests/test_fast_div.py"
 # Every decode loader at every fast head size (bf16), the balanced partition, the merge kernel
 # over many splits and the equal rows' tail splits.
 SANITIZE_K="((head_size_128_loaders or head_sizes_80_96_loaders or head_size_64_loaders or head_size_256_warps) and bf16)"
@@ -63,12 +68,10 @@ case ${1:-} in
   rest)
     # Two test runs side by side, each told half the cores.
     GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TESTS="tests/test_cuda.py" GQA_TEST_K="prefill" GQA_TEST_TIMEOUT=340 \
-      GQA_TEST_SPLIT="prefill_routes and fp16;prefill_routes and bf16;prefill_kernel_append;prefill_route_same_bits or prefill_many_blocks" \
-      part prefill_tests checks &
+      GQA_TEST_SPLIT="$PREFILL_SPLIT" part prefill_tests checks &
     prefill=$!
     GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TEST_TIMEOUT=340 GQA_TEST_SPLIT="fuzz;parity;integration" \
-      GQA_TESTS="tests/test_fuzz.py tests/test_parity.py tests/test_torch_integration.py tests/test_soak_concurrency.py tests/test_ort.py tests/test_harness.py tests/test_fast_div.py" \
-      part other_tests checks || status=1
+      GQA_TESTS="$OTHER_FILES" part other_tests checks || status=1
     wait $prefill || status=1 ;;
   bench)
     # Alone on the GPU. FlexAttention compiles each shape first, up to bench_decode.py's

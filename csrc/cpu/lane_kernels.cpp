@@ -26,6 +26,8 @@ namespace cpu {
 namespace {
 
 #define GQA_LANES_INLINE inline __attribute__((always_inline))
+// (a lambda's body is a function of its own: inlined too, so that it gets the caller's set)
+#define GQA_LAMBDA_INLINE __attribute__((always_inline))
 
 template <int W>
 struct VectorTypes;
@@ -73,7 +75,7 @@ struct Kernels {
   static GQA_LANES_INLINE void score_block(const float* __restrict queries, const float* const* keys, int count,
                                            int D, float* __restrict scores) {
     const int vector_end = D / W * W;
-    auto finish = [&](const V (&dots)[kRowBlock], const float* __restrict k, int j) {
+    auto finish = [&](const V (&dots)[kRowBlock], const float* __restrict k, int j) GQA_LAMBDA_INLINE {
       for (int r = 0; r < kRowBlock; ++r) {
         float total = sum(dots[r]);
         for (int t = vector_end; t < D; ++t) total += queries[r * D + t] * k[t];  // D % W tail
@@ -111,7 +113,7 @@ struct Kernels {
   // lane sums are left at the end. Two chunks of W keys at a time where the keys reach that far.
   static GQA_LANES_INLINE void score_block_t(const float* __restrict queries, const float* __restrict key_t,
                                              int begin, int end, int D, float* __restrict scores) {
-    auto write = [&](const V (&dots)[kRowBlock], int j) {
+    auto write = [&](const V (&dots)[kRowBlock], int j) GQA_LAMBDA_INLINE {
       float lane[W];
       const int n = std::min(W, end - j);
       for (int r = 0; r < kRowBlock; ++r) {
@@ -149,7 +151,9 @@ struct Kernels {
   // fp32 error grows far slower with the context length than that of one running sum.
   static GQA_LANES_INLINE void accumulate_block(float* __restrict acc, const float* __restrict weights,
                                                 const float* const* values, int count, int D) {
-    auto add_to_acc = [&](const V& tile_sum, int r, int d) { store(acc + r * D + d, load(acc + r * D + d) + tile_sum); };
+    auto add_to_acc = [&](const V& tile_sum, int r, int d) GQA_LAMBDA_INLINE {
+      store(acc + r * D + d, load(acc + r * D + d) + tile_sum);
+    };
     int d = 0;
     for (; d + 2 * W <= D; d += 2 * W) {
       V low[kRowBlock] = {}, high[kRowBlock] = {};
