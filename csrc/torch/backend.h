@@ -57,6 +57,9 @@ void set_decode_timeline(const std::optional<at::Tensor>& records);
 // caches, "auto" (the default: the attention kernel, for rows with no past, where it can) or
 // "prep" (always prep's copy; kernels/prefill_mma.h). No-op in a CPU-only build.
 void set_prefill_append(const std::string& append);
+// The CPU backend's instruction set for its inner loops (cpu/lane_kernels.h): "auto", "baseline",
+// "avx2" or "avx512"; a set this CPU or build lacks runs as auto.
+void set_cpu_kernels(const std::string& name);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader, "auto" (the default: see
 // kernels/launch.h), "cp_async", "tma" or "regs_k" (where they can run). No-op in a CPU-only

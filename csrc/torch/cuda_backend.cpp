@@ -9,6 +9,7 @@
 
 #include "../core/errors.h"
 #include "../core/plan.h"
+#include "../cpu/lane_kernels.h"
 
 #ifdef GQA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -117,6 +118,11 @@ void set_prefill_append(const std::string& append) {
   // The index is the kernel's append code (kernels/prefill_mma.h).
   static const char* const kAppends[] = {"auto", "prep"};
   set_switch(kAppends, append, "prefill append", GQA_CUDA_SWITCH(set_prefill_append));
+}
+
+void set_cpu_kernels(const std::string& name) {
+  // (not a CUDA switch, but the same lookup and message)
+  set_switch(cpu::kLaneKernelNames, name, "CPU kernels", &cpu::set_lane_kernels);
 }
 
 void set_decode_loader(const std::string& loader) {

@@ -2,7 +2,6 @@
 // functions here are the few things Python needs that are not operators.
 #include <torch/extension.h>
 
-#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -39,19 +38,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_prefill_append", &gqa::set_prefill_append, pybind11::arg("append"),
         "Tests and benchmarks: who appends an in-place prefill's new rows (no RoPE) to the caches, \"auto\" "
         "(the attention kernel, for rows with no past, where it can: the default) or \"prep\" (always prep).");
-  m.def(
-      "_set_cpu_kernels",
-      [](const std::string& name) {
-        std::string listed;
-        for (size_t i = 0; i < std::size(gqa::cpu::kLaneKernelNames); ++i) {
-          if (name == gqa::cpu::kLaneKernelNames[i]) return gqa::cpu::set_lane_kernels(static_cast<int>(i));
-          listed += (i ? ", " : "") + std::string(gqa::cpu::kLaneKernelNames[i]);
-        }
-        TORCH_CHECK_VALUE(false, "gqa: CPU kernels: expected one of ", listed, ", got \"", name, "\"");
-      },
-      pybind11::arg("name"),
-      "Tests and benchmarks: the instruction set of the CPU backend's inner loops, \"auto\" (the default: the "
-      "widest this CPU has), \"baseline\", \"avx2\" or \"avx512\"; a set this CPU or build lacks runs as auto.");
+  m.def("_set_cpu_kernels", &gqa::set_cpu_kernels, pybind11::arg("name"),
+        "Tests and benchmarks: the instruction set of the CPU backend's inner loops, \"auto\" (the default: the "
+        "widest this CPU has), \"baseline\", \"avx2\" or \"avx512\"; a set this CPU or build lacks runs as auto.");
   m.def(
       "_cpu_kernels", []() { return std::string(gqa::cpu::lane_kernels().name); },
       "The instruction set the CPU backend's inner loops run with now: \"baseline\", \"avx2\" or \"avx512\".");
