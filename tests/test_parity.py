@@ -428,6 +428,38 @@ def test_thread_count_does_not_change_results():
         torch.set_num_threads(old)
 
 
+def test_fused_cache_fill_covers_every_present_row():
+    """With one query tile a head, each attention task fills the present rows of its own key
+    split just before it reads them (gqa_cpu.cpp, run_typed). Together the tasks must write all
+    of it: the copied past (its unused rows are NaN and must not be copied), the new row and the
+    zero tail up to the capacity. At 1, 2 and 4 threads (2 to 4 key splits), with a window that
+    starts inside a split, and with several heads a task and S > 1 (one split)."""
+    old = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            for window in (-1, 700):
+                case = make_case("functional", batch=1, seq=1, num_heads=2, kv_num_heads=1, head_dim=32,
+                                 capacity=2400, past_lengths=[2300], extra_total=37, window=window,
+                                 rotary="half", layout=window > 0)
+                run_and_check(case)
+            case = make_case("functional", batch=4, seq=3, num_heads=8, kv_num_heads=4, head_dim=16, capacity=60,
+                             past_lengths=[5, 40, 0, 57], extra_total=3, rotary="interleaved", dtype=torch.bfloat16)
+            run_and_check(case)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_functional_present_above_the_huge_page_threshold():
+    """A present of 8 MB or more is advised to transparent huge pages before it is written
+    (ops.cpp, advise_huge_pages); the advice must change nothing in what the op returns."""
+    case = make_case("functional", batch=1, seq=1, num_heads=4, kv_num_heads=2, head_dim=64, capacity=17000,
+                     past_lengths=[16500], extra_total=5, rotary="half")
+    present_bytes = 2 * 17000 * 64 * 4
+    assert present_bytes >= 8 << 20
+    run_and_check(case)
+
+
 # The set this process runs with (gqa_torch/__init__.py reads GQA_CPU_KERNELS), restored after
 # the tests below pin others.
 PINNED_CPU_KERNELS = os.environ.get("GQA_CPU_KERNELS") or "auto"

@@ -3,7 +3,8 @@
 //
 // A call runs in passes, because attention reads keys that this call appends:
 //   1. cache, over (row, kv head): functional past copy and zero fill, RoPE on the new keys,
-//      append of the new K/V rows;
+//      append of the new K/V rows (when each head has one query tile, each pass-2 task does
+//      this for its own keys instead, just before it reads them);
 //   2. attention, over (row, kv head, query tile[, key split]): RoPE on the queries, then an
 //      online softmax over key tiles. All G query heads of a kv head go together, so each K/V
 //      row is read once per tile;
@@ -122,10 +123,12 @@ void run_tasks(int64_t count, const Task& task) {
 
 // ---- pass 1: the cache ----------------------------------------------------------------------
 
-// One (row, kv head): copy the past and zero the rest (functional op), append the new K
-// (rotated) and V at rows [past, past + S).
+// Cache rows [rows_begin, rows_end) of one (row, kv head): copy the past and zero the rest
+// (functional op), and append the new K (rotated) and V that fall in the range (the new tokens
+// sit at rows [past, past + S)).
 template <typename T>
-void fill_cache_head(const Params& p, int b, int kv_head, std::vector<float>& scratch) {
+void fill_cache_rows(const Params& p, int b, int kv_head, int64_t rows_begin, int64_t rows_end,
+                     std::vector<float>& scratch) {
   const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
   const int D = p.head_dim;
   const size_t row_bytes = sizeof(T) * D;
@@ -134,7 +137,7 @@ void fill_cache_head(const Params& p, int b, int kv_head, std::vector<float>& sc
   };
 
   if (!p.inplace) {
-    for (int64_t j = 0; j < p.capacity; ++j) {
+    for (int64_t j = rows_begin; j < rows_end; ++j) {
       if (j >= g.past && j < g.past + p.query_len) continue;  // new rows, written below
       if (j < g.past && p.past_key != nullptr) {
         std::memcpy(cache_row(p.key_cache, j),
@@ -150,11 +153,13 @@ void fill_cache_head(const Params& p, int b, int kv_head, std::vector<float>& sc
 
   scratch.resize(2 * static_cast<size_t>(D));
   float* key = scratch.data();
-  for (int s = 0; s < p.query_len; ++s) {
+  const int64_t s_first = std::max<int64_t>(0, rows_begin - g.past);
+  const int64_t s_last = std::min<int64_t>(p.query_len, rows_end - g.past);
+  for (int64_t s = s_first; s < s_last; ++s) {
     const int64_t j = static_cast<int64_t>(g.past) + s;
     const T* key_src = head_row<T>(p.key, p.key_strides, b, s, kv_head);
     if (p.do_rotary) {
-      load_rotated(p, key_src, rotary_position(p, g, b, s), key + D, key);
+      load_rotated(p, key_src, rotary_position(p, g, b, static_cast<int>(s)), key + D, key);
       T* dst = cache_row(p.key_cache, j);
       for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(key[d]);
     } else {
@@ -249,6 +254,24 @@ int64_t partial_offset(const Params& p, const Split& split, int b, int q_head, i
   return slot * (p.head_dim + 2);
 }
 
+// The keys that query tokens [s_begin, s_end) of a row see run from the first token's window
+// start to the last token; key split k takes the k-th share of them, in whole tiles.
+struct KeySpan {
+  int64_t begin = 0, end = 0;
+  int64_t share = 0;  // keys per split
+  int64_t share_begin(int key_split) const { return begin + key_split * share; }
+};
+
+KeySpan key_span(const Params& p, const RowGeometry& g, const Split& split, int s_begin, int s_end) {
+  const int64_t first_pos = static_cast<int64_t>(g.query_start) + s_begin;
+  KeySpan span;
+  span.begin = p.local_window > 0 ? std::max<int64_t>(0, first_pos - p.local_window + 1) : 0;
+  span.end = std::min<int64_t>(g.total, first_pos + (s_end - s_begin));
+  const int64_t tiles = (std::max<int64_t>(0, span.end - span.begin) + kKeyTile - 1) / kKeyTile;
+  span.share = (tiles + split.key_splits - 1) / split.key_splits * kKeyTile;
+  return span;
+}
+
 // Query tokens [s_begin, s_end) of row b, all G query heads of kv_head, over the key_split-th
 // part of the keys those tokens can see.
 template <typename T>
@@ -305,15 +328,10 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
     for (int d = 0; d < D; ++d) q[d] *= p.scale;
   }
 
-  // Keys these tokens can see run from the first token's window start to the last token;
-  // this split takes its share of them in whole tiles.
   const int64_t first_pos = static_cast<int64_t>(g.query_start) + s_begin;
-  const int64_t span_begin = W > 0 ? std::max<int64_t>(0, first_pos - W + 1) : 0;
-  const int64_t span_end = std::min<int64_t>(g.total, first_pos + (s_valid_end - s_begin));
-  const int64_t tiles = (std::max<int64_t>(0, span_end - span_begin) + kKeyTile - 1) / kKeyTile;
-  const int64_t split_keys = (tiles + split.key_splits - 1) / split.key_splits * kKeyTile;
-  const int64_t keys_begin = span_begin + key_split * split_keys;
-  const int64_t keys_end = std::min(span_end, keys_begin + split_keys);
+  const KeySpan span = key_span(p, g, split, s_begin, s_valid_end);
+  const int64_t keys_begin = span.share_begin(key_split);
+  const int64_t keys_end = std::min(span.end, keys_begin + span.share);
 
   for (int64_t tile_begin = keys_begin; tile_begin < keys_end; tile_begin += kKeyTile) {
     const int count = static_cast<int>(std::min<int64_t>(kKeyTile, keys_end - tile_begin));
@@ -410,16 +428,38 @@ void merge_splits(const Params& p, const Split& split, int b, int q_head, int s,
   finish_row(p, q_head, merged, scratch.data(), out);
 }
 
+// The cache rows a fused task fills before it attends: the key_split-th of the key_splits ranges that
+// cover [0, capacity), each holding the keys that split reads.
+template <typename T>
+void fill_split_rows(const Params& p, const Split& split, int b, int kv_head, int key_split,
+                     std::vector<float>& scratch) {
+  const RowGeometry g = row_geometry(p, p.seqlens_k[b]);
+  const KeySpan span = key_span(p, g, split, 0, std::min(p.query_len, g.valid_queries));
+  auto boundary = [&](int k) {
+    if (k == 0) return int64_t{0};
+    if (k == split.key_splits) return static_cast<int64_t>(p.capacity);
+    return std::min<int64_t>(p.capacity, span.share_begin(k));
+  };
+  fill_cache_rows<T>(p, b, kv_head, boundary(key_split), boundary(key_split + 1), scratch);
+}
+
 template <typename T>
 void run_typed(const Params& p) {
   const int64_t row_heads = static_cast<int64_t>(p.batch) * p.kv_heads;
   if (row_heads == 0) return;
-  run_tasks(row_heads, [&](int64_t i, std::vector<float>& scratch) {
-    fill_cache_head<T>(p, static_cast<int>(i / p.kv_heads), static_cast<int>(i % p.kv_heads),
-                       scratch);
-  });
-
   const Split split = choose_split(p);
+  // With one query tile a head, no task reads cache rows another task writes once each task
+  // fills the rows of its own keys, so it fills them just before it reads them back from cache
+  // (the functional op's copy of the past then costs one pass over memory, not two). Several
+  // query tiles read each other's new rows, so the cache pass runs over all heads first.
+  const bool fused = split.query_tiles == 1;
+  if (!fused) {
+    run_tasks(row_heads, [&](int64_t i, std::vector<float>& scratch) {
+      fill_cache_rows<T>(p, static_cast<int>(i / p.kv_heads), static_cast<int>(i % p.kv_heads), 0,
+                         p.capacity, scratch);
+    });
+  }
+
   std::vector<float> partials;
   if (split.key_splits > 1) partials.resize(partial_offset(p, split, p.batch, 0, 0, 0));
   // Index order: the last query tiles (the most keys under causality) first, so expensive
@@ -433,6 +473,7 @@ void run_typed(const Params& p) {
     const int tile = split.query_tiles - 1 - static_cast<int>(rest / row_heads);
     const int s_begin = tile * split.query_tile;
     const int s_end = std::min(p.query_len, s_begin + split.query_tile);
+    if (fused) fill_split_rows<T>(p, split, b, kv_head, key_split, scratch);
     attend_task<T>(p, split, b, kv_head, s_begin, s_end, key_split, partials.data(), scratch);
   });
 
