@@ -33,8 +33,8 @@ namespace gqa {
 namespace cpu {
 namespace {
 
-constexpr int kMaxQueryTile = 32;      // query tokens per attention task
-constexpr int kMaxRowsPerTask = 128;   // query tokens x group heads per task (bounds scratch)
+constexpr int kMaxQueryTile = 64;      // query tokens per attention task
+constexpr int kMaxRowsPerTask = 256;   // query tokens x group heads per task (bounds scratch)
 constexpr int kMinKeysPerSplit = 512;  // a shorter key split costs more than it saves
 // Tasks of at least this many row blocks score against a transposed key tile (score_block_t):
 // the transpose costs about what the dot products' lane sums of three or four blocks do.
@@ -199,34 +199,10 @@ Split choose_split(const Params& p) {
   return split;
 }
 
-// A row's online softmax: its running max, and the sum of e^(score - max) so far.
-struct RunningSoftmax {
-  float max = kNegInf;
-  float sum = 0.f;
-};
-
-// Turns one row's `count` raw scores into weights against its running max; only
-// [visible_begin, visible_end) is visible, the other weights become 0. When the max grows,
-// what the row accumulated so far is rescaled.
-void update_row_softmax(const Params& p, const LaneKernels& kernels, float* scores, int count,
-                        int visible_begin, int visible_end, RunningSoftmax& state, float* acc_row) {
-  visible_begin = std::clamp(visible_begin, 0, count);
-  visible_end = std::clamp(visible_end, visible_begin, count);
-  std::fill(scores, scores + visible_begin, 0.f);
-  std::fill(scores + visible_end, scores + count, 0.f);
-  float tile_max = kNegInf;
-  for (int j = visible_begin; j < visible_end; ++j) {
-    if (p.softcap > 0.f) scores[j] = p.softcap * std::tanh(scores[j] / p.softcap);
-    tile_max = std::max(tile_max, scores[j]);
-  }
-  if (tile_max == kNegInf) return;  // nothing visible in this tile
-  const float new_max = std::max(state.max, tile_max);
-  const float keep = state.max == kNegInf ? 0.f : std::exp(state.max - new_max);
-  const float tile_sum = kernels.exp_and_sum(scores + visible_begin, visible_end - visible_begin, new_max);
-  if (keep != 1.f)
-    for (int d = 0; d < p.head_dim; ++d) acc_row[d] *= keep;
-  state.sum = state.sum * keep + tile_sum;
-  state.max = new_max;
+// softcap: scores of a row visible in [visible_begin, visible_end) become
+// softcap * tanh(score / softcap) before the softmax sees them.
+void apply_softcap(float softcap, float* scores, int visible_begin, int visible_end) {
+  for (int j = visible_begin; j < visible_end; ++j) scores[j] = softcap * std::tanh(scores[j] / softcap);
 }
 
 // Writes acc / denominator, where the denominator also counts the extra logits that have no
@@ -382,9 +358,12 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
         kernels.score_block_t(queries + static_cast<size_t>(block) * D, key_t, begin, end, D, scores);
       else
         kernels.score_block(queries + static_cast<size_t>(block) * D, key_rows + begin, end - begin, D, scores);
-      for (int r = 0; r < kRowBlock; ++r)  // scores start at key `begin`
-        update_row_softmax(p, kernels, scores + r * kKeyTile, end - begin, visible_begin[r] - begin,
-                           visible_end[r] - begin, states[block + r], block_acc + r * D);
+      for (int r = 0; r < kRowBlock; ++r) {  // scores start at key `begin`
+        visible_begin[r] = std::clamp(visible_begin[r] - begin, 0, end - begin);
+        visible_end[r] = std::clamp(visible_end[r] - begin, visible_begin[r], end - begin);
+        if (p.softcap > 0.f) apply_softcap(p.softcap, scores + r * kKeyTile, visible_begin[r], visible_end[r]);
+      }
+      kernels.softmax_block(scores, end - begin, visible_begin, visible_end, &states[block], block_acc, D);
       kernels.accumulate_block(block_acc, scores, value_rows + begin, end - begin, D);
     }
   }

@@ -32,6 +32,10 @@ namespace {
 template <int W>
 struct VectorTypes;
 template <>
+struct VectorTypes<2> {
+  typedef float Float __attribute__((vector_size(8)));
+};
+template <>
 struct VectorTypes<4> {
   typedef float Float __attribute__((vector_size(16)));
   typedef int32_t Int __attribute__((vector_size(16)));
@@ -62,13 +66,24 @@ struct Kernels {
   }
   static GQA_LANES_INLINE void store(float* dst, const V& v) { std::memcpy(dst, &v, sizeof(v)); }
 
-  // A pairwise tree over the lanes.
+  // Lane reductions as a tree of register halves (folded through memcpy, which compilers turn
+  // into lane extracts): a vector stored and read back lane by lane stalls on store forwarding.
+  template <int N, typename Op>
+  static GQA_LANES_INLINE float fold(const typename VectorTypes<N>::Float& v, Op op) {
+    if constexpr (N == 2) {
+      return op(v[0], v[1]);
+    } else {
+      typename VectorTypes<N / 2>::Float low, high;
+      std::memcpy(&low, &v, sizeof(low));
+      std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(low), sizeof(high));
+      return fold<N / 2>(op(low, high), op);
+    }
+  }
   static GQA_LANES_INLINE float sum(const V& v) {
-    float lane[W];
-    store(lane, v);
-    for (int width = W / 2; width > 0; width /= 2)
-      for (int i = 0; i < width; ++i) lane[i] += lane[i + width];
-    return lane[0];
+    return fold<W>(v, [](auto a, auto b) GQA_LAMBDA_INLINE { return a + b; });
+  }
+  static GQA_LANES_INLINE float max_of(const V& v) {
+    return fold<W>(v, [](auto a, auto b) GQA_LAMBDA_INLINE { return a > b ? a : b; });
   }
 
   // Two keys at a time: eight independent accumulators, enough to cover the FMA latency.
@@ -199,33 +214,57 @@ struct Kernels {
     return e * two_to_n;
   }
 
+  // e^(v - max), where every v <= max; 0 where v - max < -87 (e^-87 is 1.6e-38, nothing next to
+  // the max's 1), which also covers v = -inf.
   static GQA_LANES_INLINE V exp_shifted(V v, float max) {
     v -= max;
-    return exp_bounded(v < -87.f ? V{} - 87.f : v);
+    const auto underflow = v < -87.f;
+    const V e = exp_bounded(underflow ? V{} - 87.f : v);
+    return underflow ? V{} : e;
   }
 
-  // The last partial chunk goes through a padded copy, so that nothing past x[n - 1] is read
-  // or written.
-  static GQA_LANES_INLINE float exp_and_sum(float* __restrict x, int n, float max) {
-    V total = {};
-    int j = 0;
-    for (; j + W <= n; j += W) {
-      const V e = exp_shifted(load(x + j), max);
-      store(x + j, e);
-      total += e;
-    }
-    if (j < n) {
-      const int tail = n - j;
-      float chunk[W];
-      for (int i = 0; i < W; ++i) chunk[i] = i < tail ? x[j + i] : max;
-      store(chunk, exp_shifted(load(chunk), max));
-      for (int i = 0; i < W; ++i) {
-        if (i < tail) x[j + i] = chunk[i];
-        else chunk[i] = 0.f;  // padding: no weight
+  // Whole registers from the one holding the first visible score to the one holding the last:
+  // the score rows hold kKeyTile floats, a multiple of W. The invisible lanes of those registers
+  // are set to -inf first, so the max and the exponentials need no lane masks (e^-inf is 0 here).
+  static GQA_LANES_INLINE void softmax_block(float* __restrict scores, int count, const int* visible_begin,
+                                             const int* visible_end, RunningSoftmax* states, float* __restrict acc,
+                                             int D) {
+    static_assert(kKeyTile % W == 0, "score rows are whole registers");
+    constexpr float kNegInf = -__builtin_inff();
+    for (int r = 0; r < kRowBlock; ++r) {
+      float* row = scores + r * kKeyTile;
+      const int begin = visible_begin[r], end = std::min(visible_end[r], count);
+      const int chunk_begin = begin < end ? begin / W * W : count;
+      const int chunk_end = begin < end ? (end + W - 1) / W * W : count;
+      for (int j = 0; j < chunk_begin; j += W) store(row + j, V{});
+      for (int j = chunk_end; j < count; j += W) store(row + j, V{});
+      if (begin >= end) continue;
+      std::fill(row + chunk_begin, row + begin, kNegInf);
+      std::fill(row + end, row + chunk_end, kNegInf);
+
+      V top = V{} + kNegInf;
+      for (int j = chunk_begin; j < chunk_end; j += W) {
+        const V v = load(row + j);
+        top = v > top ? v : top;
       }
-      total += load(chunk);
+      RunningSoftmax& state = states[r];
+      const float new_max = std::max(state.max, max_of(top));
+      V total = {};
+      for (int j = chunk_begin; j < chunk_end; j += W) {
+        const V weight = exp_shifted(load(row + j), new_max);
+        store(row + j, weight);
+        total += weight;
+      }
+      const float keep = state.max == kNegInf ? 0.f : exp_shifted(V{} + state.max, new_max)[0];
+      if (keep != 1.f) {
+        float* acc_row = acc + r * D;
+        int d = 0;
+        for (; d + W <= D; d += W) store(acc_row + d, load(acc_row + d) * keep);
+        for (; d < D; ++d) acc_row[d] *= keep;
+      }
+      state.sum = state.sum * keep + sum(total);
+      state.max = new_max;
     }
-    return sum(total);
   }
 };
 
@@ -244,9 +283,12 @@ struct Kernels {
                                       int count, int D) {                                                  \
     Kernels<W>::accumulate_block(acc, weights, values, count, D);                                          \
   }                                                                                                        \
-  TARGET float NAME##_exp_and_sum(float* x, int n, float max) { return Kernels<W>::exp_and_sum(x, n, max); } \
+  TARGET void NAME##_softmax_block(float* scores, int count, const int* visible_begin, const int* visible_end, \
+                                   RunningSoftmax* states, float* acc, int D) {                             \
+    Kernels<W>::softmax_block(scores, count, visible_begin, visible_end, states, acc, D);                   \
+  }                                                                                                        \
   const LaneKernels NAME##_kernels = {NAME##_score_block, NAME##_score_block_t, NAME##_accumulate_block,   \
-                                      NAME##_exp_and_sum, #NAME};
+                                      NAME##_softmax_block, #NAME};
 
 GQA_LANE_KERNEL_SET(baseline, , 4)
 

@@ -13,6 +13,12 @@ constexpr int kMaxLanes = 16;  // fp32 lanes of the widest instruction set's reg
 // partial chunk of keys may read (zeros there).
 constexpr int kKeyTileT = kKeyTile + kMaxLanes;
 
+// A query row's online softmax: its running max, and the sum of e^(score - max) so far.
+struct RunningSoftmax {
+  float max = -__builtin_inff();
+  float sum = 0.f;
+};
+
 struct LaneKernels {
   // scores[r * kKeyTile + j] = q_r . key_j for j < count, for the kRowBlock rows of `queries`
   // (row stride D), each key a row of D floats.
@@ -24,9 +30,14 @@ struct LaneKernels {
   // acc_r += sum_j weights[r * kKeyTile + j] * value_j for j < count, for the kRowBlock rows of
   // `acc` (row stride D). The tile is summed on its own, then added.
   void (*accumulate_block)(float* acc, const float* weights, const float* const* values, int count, int D);
-  // x[j] = e^(x[j] - max) for j < n, where every x[j] <= max; returns their sum. Exponents
-  // below -87 are clamped (a weight of 1e-38 next to the max's 1).
-  float (*exp_and_sum)(float* x, int n, float max);
+  // The online softmax's step for the kRowBlock rows of a block over one tile: row r's raw
+  // scores scores[r * kKeyTile + j], j < count, become weights e^(score - max) against the row's
+  // new running max, where max takes in the scores visible to it, j in [visible_begin[r],
+  // visible_end[r]); the other weights become 0 (a row that sees nothing is left unchanged, all
+  // weights 0). When a row's max grows, its accumulator (acc + r * D, D floats) and sum are
+  // rescaled. A weight below e^-87 (1.6e-38, next to the max's 1) is 0.
+  void (*softmax_block)(float* scores, int count, const int* visible_begin, const int* visible_end,
+                        RunningSoftmax* states, float* acc, int D);
   const char* name;  // the instruction set, for tests and diagnostics
 };
 
