@@ -58,6 +58,11 @@ GQA_MULTIVERSION void widen(const T* src, int n, float* dst) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+template <>
+void widen<float>(const float* src, int n, float* dst) {
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+
 // ---- element access and RoPE ------------------------------------------------------------------
 
 template <typename T>

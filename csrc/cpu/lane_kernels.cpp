@@ -131,6 +131,18 @@ struct Kernels {
   static constexpr int kWideChunks = W == 16 ? 4 : 2;
   static constexpr int kWideMinD = 128;
 
+  // The first min(W, n) lanes of v to dst: a whole register where n >= W (no memcpy call of a
+  // run-time size), since a score row holds only its tile's keys.
+  static GQA_LANES_INLINE void store_scores(const V& v, float* dst, int n) {
+    if (n >= W) {
+      store(dst, v);
+      return;
+    }
+    float lane[W];
+    store(lane, v);
+    std::memcpy(dst, lane, sizeof(float) * n);
+  }
+
   // The wide form of score_block_t below: chunks of keys [j, j + N W), the last of which may run
   // past `end` into the tile's padding.
   template <int N>
@@ -146,15 +158,10 @@ struct Kernels {
         for (int c = 0; c < N; ++c) dots[c][r] += q * keys[c];
       }
     }
-    float lane[W];
     for (int c = 0; c < N; ++c) {
       const int first = j + c * W;
-      const int n = std::min(W, end - first);
-      if (n <= 0) break;
-      for (int r = 0; r < kRowBlock; ++r) {
-        store(lane, dots[c][r]);
-        std::memcpy(scores + r * kKeyTile + (first - begin), lane, sizeof(float) * n);
-      }
+      if (first >= end) break;
+      for (int r = 0; r < kRowBlock; ++r) store_scores(dots[c][r], scores + r * kKeyTile + (first - begin), end - first);
     }
   }
 
@@ -163,12 +170,7 @@ struct Kernels {
   static GQA_LANES_INLINE void score_block_t(const float* __restrict queries, const float* __restrict key_t,
                                              int begin, int end, int D, float* __restrict scores) {
     auto write = [&](const V (&dots)[kRowBlock], int j) GQA_LAMBDA_INLINE {
-      float lane[W];
-      const int n = std::min(W, end - j);
-      for (int r = 0; r < kRowBlock; ++r) {
-        store(lane, dots[r]);
-        std::memcpy(scores + r * kKeyTile + (j - begin), lane, sizeof(float) * n);
-      }
+      for (int r = 0; r < kRowBlock; ++r) store_scores(dots[r], scores + r * kKeyTile + (j - begin), end - j);
     };
     int j = begin;
     if (D >= kWideMinD)

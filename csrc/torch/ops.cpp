@@ -24,9 +24,9 @@ void run_cpu_checked(const Params& p) {
   cpu::run(p);
 }
 
-// A fresh CPU present of tens of MB costs more than the attention: the kernel maps and zeroes
-// it 4 KB page by page on first touch (bench_cpu's functional decode at B = 8 spent 70 of its
-// 110 ms there). Asking for transparent huge pages before the first touch cuts that about 3x.
+// A fresh CPU present (or a long prompt's output) of tens of MB costs more than the attention:
+// the kernel maps and zeroes it 4 KB page by page on first touch (bench_cpu's functional decode
+// at B = 8 spent 70 of its 110 ms there). Asking for transparent huge pages before the first touch cuts that about 3x.
 // Only the whole 2 MB pages inside the allocation are advised, and only when it is large
 // enough to be fresh memory; a kernel without THP ignores the advice.
 void advise_huge_pages(const at::Tensor& fresh) {
@@ -70,6 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> functional_impl(
                                   rotary_interleaved, local_window_size, softcap, smooth_softmax, kv_layout);
   Params p = build_params(in, /*inplace=*/false, total_sequence_length);
   at::Tensor output = at::empty({p.batch, p.query_len, int64_t(p.q_heads) * p.head_dim}, query.options());
+  advise_huge_pages(output);
   const auto shape = cache_shape(p.batch, p.kv_heads, p.capacity, p.head_dim, kv_layout);
   at::Tensor present_key = at::empty(shape, query.options());
   at::Tensor present_value = at::empty(shape, query.options());
@@ -95,6 +96,7 @@ at::Tensor inplace_impl(const at::Tensor& query, const Opt& key, const Opt& valu
                                   rotary_interleaved, local_window_size, softcap, smooth_softmax, kv_layout);
   Params p = build_params(in, /*inplace=*/true, -1);
   at::Tensor output = at::empty({p.batch, p.query_len, int64_t(p.q_heads) * p.head_dim}, query.options());
+  advise_huge_pages(output);
   set_cache(p, key_cache, value_cache);
   set_output(p, output);
   if (query.is_cuda()) {
