@@ -450,13 +450,18 @@ def test_fused_cache_fill_covers_every_present_row():
         torch.set_num_threads(old)
 
 
-def test_functional_present_above_the_huge_page_threshold():
-    """A present of 8 MB or more is advised to transparent huge pages before it is written
-    (ops.cpp, advise_huge_pages); the advice must change nothing in what the op returns."""
+def test_outputs_above_the_huge_page_threshold():
+    """A present or an output of 8 MB or more is advised to transparent huge pages before it is
+    written (ops.cpp, advise_huge_pages); the advice must change nothing in what the op returns."""
     case = make_case("functional", batch=1, seq=1, num_heads=4, kv_num_heads=2, head_dim=64, capacity=17000,
                      past_lengths=[16500], extra_total=5, rotary="half")
     present_bytes = 2 * 17000 * 64 * 4
     assert present_bytes >= 8 << 20
+    run_and_check(case)
+    case = make_case("inplace", batch=1, seq=1100, num_heads=16, kv_num_heads=4, head_dim=128, capacity=1200,
+                     past_lengths=[40], rotary="half")
+    output_bytes = 1100 * 16 * 128 * 4
+    assert output_bytes >= 8 << 20
     run_and_check(case)
 
 
