@@ -126,8 +126,8 @@ struct Kernels {
 
   // Registers of lanes the loops below keep per row: two, or with AVX-512's 32 registers four
   // where D is 128 or more, when the four rows' accumulators and the loads beside them take 21
-  // registers. Four hid more of the FMAs' latency at head sizes 128 and 256 (256: 28.7 against
-  // 30.4 ms, B1 16/8/256 prefill of 1,024 tokens on 2 Zen 5 threads) but lost 10% at 64.
+  // registers. Four hid more of the FMAs' latency at head size 256 (28.6 against 30.9 ms, B1
+  // 16/8/256 prefill of 1,024 tokens on 2 Zen 5 threads), were level at 128 and lost 11% at 64.
   static constexpr int kWideChunks = W == 16 ? 4 : 2;
   static constexpr int kWideMinD = 128;
 
