@@ -412,8 +412,8 @@ void merge_splits(const Params& p, const Split& split, int b, int q_head, int s,
   finish_row(p, q_head, merged, scratch.data(), out);
 }
 
-// The cache rows a fused task fills before it attends: the key_split-th of the key_splits ranges that
-// cover [0, capacity), each holding the keys that split reads.
+// The cache rows a fused task fills before it attends: the key_split-th of key_splits ranges
+// that cover [0, capacity), each holding the keys that its split reads.
 template <typename T>
 void fill_split_rows(const Params& p, const Split& split, int b, int kv_head, int key_split,
                      std::vector<float>& scratch) {

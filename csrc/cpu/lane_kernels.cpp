@@ -17,10 +17,6 @@
 #include <cstdint>
 #include <cstring>
 
-// Values of vector type cross no function boundary (every helper below is always inlined), so
-// GCC's note that such a call's ABI depends on AVX (-Wpsabi) does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace gqa {
 namespace cpu {
 namespace {
@@ -80,10 +76,10 @@ struct Kernels {
     }
   }
   static GQA_LANES_INLINE float sum(const V& v) {
-    return fold<W>(v, [](auto a, auto b) GQA_LAMBDA_INLINE { return a + b; });
+    return fold<W>(v, [](const auto& a, const auto& b) GQA_LAMBDA_INLINE { return a + b; });
   }
   static GQA_LANES_INLINE float max_of(const V& v) {
-    return fold<W>(v, [](auto a, auto b) GQA_LAMBDA_INLINE { return a > b ? a : b; });
+    return fold<W>(v, [](const auto& a, const auto& b) GQA_LAMBDA_INLINE { return a > b ? a : b; });
   }
 
   // Two keys at a time: eight independent accumulators, enough to cover the FMA latency.
@@ -161,7 +157,8 @@ struct Kernels {
     for (int c = 0; c < N; ++c) {
       const int first = j + c * W;
       if (first >= end) break;
-      for (int r = 0; r < kRowBlock; ++r) store_scores(dots[c][r], scores + r * kKeyTile + (first - begin), end - first);
+      for (int r = 0; r < kRowBlock; ++r)
+        store_scores(dots[c][r], scores + r * kKeyTile + (first - begin), end - first);
     }
   }
 
