@@ -32,7 +32,8 @@ print(hits[0] if hits else "")
 PYEOF
 )
     [ -n "$nvcc_found" ] || { echo "[build] could not find the nvcc that pip installed"; exit 1; }
-    export CUDA_HOME=$(dirname "$(dirname "$nvcc_found")")
+    CUDA_HOME=$(dirname "$(dirname "$nvcc_found")")
+    export CUDA_HOME
     echo "[build] CUDA_HOME=$CUDA_HOME"
   else
     export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

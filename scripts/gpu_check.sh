@@ -21,7 +21,7 @@
 # sweep_decode_splits.py (the "sweep" step). scripts/gpu_pair.sh
 # runs a round on two GPUs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 FINAL_OUT=${OUT:-$PWD/gpu_out}
 OUT=${GQA_LOG_DIR:-$FINAL_OUT/logs}
 mkdir -p "$OUT"
@@ -176,7 +176,7 @@ for step in $steps; do
         i=$((i + 1))
       done
       for r in $(seq ${GQA_AB_REPEATS:-3}); do
-        order=("${trees[@]}"); [ $((r % 2)) -eq 0 ] && order=($(printf '%s\n' "${trees[@]}" | tac))
+        order=("${trees[@]}"); [ $((r % 2)) -eq 0 ] && mapfile -t order < <(printf '%s\n' "${trees[@]}" | tac)
         for tree in "${order[@]}"; do
           (cd "$tree/benchmarks" && PYTHONPATH="$tree" timeout ${GQA_BENCH_TIMEOUT:-900} python3 ab_decode.py \
             --tag "$(basename "$tree")" ${GQA_ABDECODE_ARGS:-}) >> "$OUT/abdecode.log" 2>&1 || status=1

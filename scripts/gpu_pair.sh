@@ -11,7 +11,7 @@
 # (the tests alone, in their processes; no benchmarks beside them).
 #   GQA_TEST_K="prefill and not decode" GQA_SANITIZE_K="prefill_sizes and 513" bash scripts/gpu_pair.sh
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 FINAL_OUT=${OUT:-$PWD/gpu_out}

@@ -18,7 +18,7 @@
 # device machine lacks and cannot download: scripts/build_for_device.sh puts its wheels in
 # .device_wheels/, and this script installs them from there when that folder was carried.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT_OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$ROOT_OUT"
 status=0

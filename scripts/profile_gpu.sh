@@ -6,7 +6,7 @@
 # writes the per-instruction stall samples (sass_<row>.csv, hotspots_<row>.txt); GQA_NCU_CACHE=none
 # keeps the caches (instructions too) warm between ncu's passes, as back-to-back calls do.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
