@@ -16,8 +16,16 @@ import sys
 
 from setuptools import setup
 
-import torch
-from torch.utils import cpp_extension
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pip's build isolation hides the torch that is installed
+    sys.exit(
+        "[gqa_torch build] error: torch is not importable here. gqa-torch compiles against the torch "
+        "you run it with: install torch first, then build with "
+        "`pip install --no-build-isolation .` (plain `pip install .` builds in an isolated "
+        "environment without your torch)."
+    )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
