@@ -1,4 +1,4 @@
-"""The build script's own messages (setup.py), checked without building anything."""
+"""The build script (setup.py) and the source distribution, checked without compiling anything."""
 from __future__ import annotations
 
 import os
