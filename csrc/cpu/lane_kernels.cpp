@@ -7,8 +7,9 @@
 // AVX-512 code of the score and exponential loops from scalar FMAs and lane inserts, and the
 // score loop alone took 45% of a CPU prefill call (2-core Zen 4, B1 32/8/128 S1024 fp32: 458 ms,
 // 43 ms with these kernels). Why W per set: W is one native register in each, so the register
-// blocking below (eight accumulators) fits every set; one 16-lane type for all, as first
-// written, spilled on AVX2 and SSE2 (1,089 and 752 ms on that call).
+// blocking below (eight accumulators; sixteen in AVX-512's wide loops) fits every set; one
+// 16-lane type for all, as first written, spilled on AVX2 and SSE2 (1,089 and 752 ms on that
+// call).
 
 #include "lane_kernels.h"
 
@@ -28,7 +29,7 @@ namespace {
 template <int W>
 struct VectorTypes;
 template <>
-struct VectorTypes<2> {
+struct VectorTypes<2> {  // the last step of a lane fold
   typedef float Float __attribute__((vector_size(8)));
 };
 template <>
