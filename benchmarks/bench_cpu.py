@@ -17,15 +17,13 @@ widest this CPU has.)
 from __future__ import annotations
 
 import argparse
-import platform
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import gqa_torch
-from common import progress, write_tables
+from common import cpu_name, fastest_host_call, progress, write_tables
 
 # (label, B, Hq, Hkv, D, past, new tokens, dtype): BENCHMARKS.md's CPU anchors first (fp32,
 # 32/8/128: decode over a past of 4,096 at B = 1 and 8, a 512-token prompt), then other head
@@ -43,25 +41,9 @@ ROWS = [
 ]
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def fastest_ms(call, repeats: int) -> float:
     call()  # warm-up (scratch, thread pool)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    return 1e3 * fastest_host_call(call, repeats)[0]
 
 
 def ort_session(hq: int, hkv: int, threads: int, with_past: bool):

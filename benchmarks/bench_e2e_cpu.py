@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
-import time
 
 import torch
 
@@ -31,9 +29,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))  # the repository root, for an in-place build of gqa_torch
 from bench_e2e import llama_1b_config  # noqa: E402
-from common import progress, write_tables  # noqa: E402
+from common import cpu_name, fastest_host_call, progress, write_tables  # noqa: E402
 
-import gqa_torch  # noqa: E402
 
 
 def build_model(layers: int, gqa: bool):
@@ -48,15 +45,6 @@ def build_model(layers: int, gqa: bool):
 
         gqa_torch.hf.enable(model)
     return model
-
-
-def fastest_s(call, repeats: int):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = call()
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def generate(model, ids, new_tokens: int, static: bool):
@@ -87,13 +75,13 @@ def main():
         for prompt in args.prompts:
             ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(prompt))
             generate(model, ids, 2, static)  # warm-up
-            t_first, _ = fastest_s(lambda: generate(model, ids, 1, static), args.repeats)
-            t_all, tokens = fastest_s(lambda: generate(model, ids, args.new_tokens, static), args.repeats)
+            t_first, _ = fastest_host_call(lambda: generate(model, ids, 1, static), args.repeats)
+            t_all, tokens = fastest_host_call(lambda: generate(model, ids, args.new_tokens, static), args.repeats)
             decode_ms = 1e3 * (t_all - t_first) / (args.new_tokens - 1)
             rows.append(dict(contender=name, prompt=prompt, new_tokens=args.new_tokens, prefill_ms=round(1e3 * t_first),
                              decode_ms_per_token=decode_ms, total_s=t_all, tokens=tokens[0].tolist()))
             progress(f"[e2e_cpu] {name} P={prompt}: prefill {1e3 * t_first:.0f} ms, decode {decode_ms:.1f} ms/token")
-        del model
+        model = None  # free its weights before the next contender builds its own
 
     for row in rows:  # greedy agreement and speed against hf_dynamic on the same prompt
         ref = next(r for r in rows if r["contender"] == "hf_dynamic" and r["prompt"] == row["prompt"])
@@ -108,7 +96,7 @@ def main():
 
     import transformers
 
-    meta = dict(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+    meta = dict(cpu=cpu_name(), threads=torch.get_num_threads(),
                 torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
                 model="Llama-3.2-1B shape, random weights, fp32, batch 1, greedy")
     cols = ["contender", "prompt", "new_tokens", "prefill_ms", "decode_ms_per_token", "prefill_speedup",

@@ -1,16 +1,18 @@
 """Shared timing and reporting for the benchmarks (BENCHMARKS.md method).
 
 Time = CUDA events around CUDA-graph replays of a loop of calls that rotates over enough
-input sets to defeat the 60 MB L2; the median over replays, after a warm-up.
+input sets to defeat the 60 MB L2; the median over replays, after a warm-up. The CPU
+benchmarks time host calls instead (fastest_host_call).
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -20,6 +22,29 @@ HBM_DATASHEET_TBS = 4.8
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fastest_host_call(call: Callable[[], Any], repeats: int) -> Tuple[float, Any]:
+    """(seconds of the fastest of `repeats` calls, the last call's result), timed on the host:
+    for CPU work, where no device queue runs ahead of the clock."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call()
+        best = min(best, time.perf_counter() - start)
+    return best, result
 
 
 def parse_shape(text: str):

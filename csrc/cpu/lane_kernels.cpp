@@ -141,7 +141,9 @@ struct Kernels {
   }
 
   // The wide form of score_block_t below: chunks of keys [j, j + N W), the last of which may run
-  // past `end` into the tile's padding.
+  // past `end` into the tile's padding. (The two- and one-register loops stay written out below:
+  // this template with N = 2 and its P·V twin ran a 2,048-token prefill at head size 64 in 31.4
+  // ms, against 26.7 for those loops.)
   template <int N>
   static GQA_LANES_INLINE void score_chunks_t(const float* __restrict queries, const float* __restrict key_t,
                                               int begin, int end, int j, int D, float* __restrict scores) {
