@@ -4,7 +4,9 @@ com.microsoft::GroupQueryAttention (BENCHMARKS.md's CPU peer), on the same threa
 Columns, ms a call (the fastest of several calls, after one warm-up):
 - ours_inplace: the in-place op (append into a static cache, attention over the valid keys);
 - ours_functional: the functional op, ORT's contract (past copied into a present of
-  max(past, total) rows);
+  max(past, total) rows), its presents recycled by the CPU output cache (gqa_torch.memory) as a
+  loop of calls runs it;
+- ours_functional_fresh: the same with that cache disabled, every present fresh memory;
 - sdpa: F.scaled_dot_product_attention over the same keys (attention alone, no RoPE or append);
 - ort: ONNX Runtime's GroupQueryAttention on the same inputs (functional), when onnx and
   onnxruntime are installed (nan otherwise).
@@ -44,6 +46,15 @@ ROWS = [
 def fastest_ms(call, repeats: int) -> float:
     call()  # warm-up (scratch, thread pool)
     return 1e3 * fastest_host_call(call, repeats)[0]
+
+
+def functional_fresh_ms(functional, repeats: int) -> float:
+    limit = gqa_torch.cpu_output_cache_info()["limit_bytes"]
+    gqa_torch.set_cpu_output_cache_limit(0)
+    try:
+        return fastest_ms(functional, repeats)
+    finally:
+        gqa_torch.set_cpu_output_cache_limit(limit)
 
 
 def ort_session(hq: int, hkv: int, threads: int, with_past: bool):
@@ -95,6 +106,7 @@ def time_row(kind, b, hq, hkv, d, past, new, dtype, threads, repeats):
 
     row = dict(case=kind, B=b, heads=f"{hq}/{hkv}/{d}", past=past, new=new, dtype=str(dtype).replace("torch.", ""),
                ours_inplace_ms=fastest_ms(inplace, repeats), ours_functional_ms=fastest_ms(functional, repeats),
+               ours_functional_fresh_ms=functional_fresh_ms(functional, repeats),
                sdpa_ms=fastest_ms(sdpa, repeats), ort_ms=float("nan"))
     session = ort_session(hq, hkv, threads, past > 0) if dtype == torch.float32 else None
     if session is not None:
@@ -125,9 +137,10 @@ def main():
         rows.append(time_row(kind, b, hq, hkv, d, past, new, dtype, threads, repeats))
         progress("    " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items() if k.endswith("_ms")))
     meta = dict(cpu=cpu_name(), threads=threads, cpu_kernels=gqa_torch._C._cpu_kernels(), torch=torch.__version__,
+                cpu_output_cache_mb=gqa_torch.cpu_output_cache_info()["limit_bytes"] >> 20,
                 timing="fastest of several calls, ms")
-    cols = ["case", "B", "heads", "past", "new", "dtype", "ours_inplace_ms", "ours_functional_ms", "sdpa_ms",
-            "ort_ms", "sdpa_over_ours", "ort_over_ours"]
+    cols = ["case", "B", "heads", "past", "new", "dtype", "ours_inplace_ms", "ours_functional_ms",
+            "ours_functional_fresh_ms", "sdpa_ms", "ort_ms", "sdpa_over_ours", "ort_over_ours"]
     print(write_tables("cpu", meta, rows, cols, "CPU backend against SDPA and ONNX Runtime"))
 
 

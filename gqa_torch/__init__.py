@@ -19,6 +19,8 @@ import torch
 from . import _C
 from .cache import KVCache
 from .errors import FLAG_MESSAGES, GQAError, decode_flags
+from .memory import _configure_from_environment as _configure_cpu_output_cache
+from .memory import cpu_output_cache_info, release_cpu_output_cache, set_cpu_output_cache_limit
 from .ops import (
     check_errors,
     clear_errors,
@@ -37,10 +39,13 @@ __all__ = [
     "build_info",
     "check_errors",
     "clear_errors",
+    "cpu_output_cache_info",
     "cuda_kernels_available",
     "decode_flags",
     "group_query_attention",
     "group_query_attention_",
+    "release_cpu_output_cache",
+    "set_cpu_output_cache_limit",
     "set_synchronous_errors",
     "synchronous_errors",
 ]
@@ -53,6 +58,8 @@ if os.environ.get("GQA_SYNC_ERRORS") == "1":
     set_synchronous_errors(True)
 # The CPU backend's instruction set, pinned for a whole process (tests of the narrower sets):
 # "baseline", "avx2" or "avx512"; unset or "auto" picks the widest this CPU has.
+# The CPU output cache's limit in MB (gqa_torch.memory); 0 disables it.
+_configure_cpu_output_cache()
 if os.environ.get("GQA_CPU_KERNELS"):
     _C._set_cpu_kernels(os.environ["GQA_CPU_KERNELS"])
 

@@ -450,20 +450,6 @@ def test_fused_cache_fill_covers_every_present_row():
         torch.set_num_threads(old)
 
 
-def test_outputs_above_the_huge_page_threshold():
-    """A present or an output of 8 MB or more is advised to transparent huge pages before it is
-    written (ops.cpp, advise_huge_pages); the advice must change nothing in what the op returns."""
-    case = make_case("functional", batch=1, seq=1, num_heads=4, kv_num_heads=2, head_dim=64, capacity=17000,
-                     past_lengths=[16500], extra_total=5, rotary="half")
-    _, present_key, _ = case.clone().run()
-    assert present_key.nbytes >= 8 << 20  # the case reaches the threshold
-    run_and_check(case)
-    case = make_case("inplace", batch=1, seq=1100, num_heads=16, kv_num_heads=4, head_dim=128, capacity=1200,
-                     past_lengths=[40], rotary="half")
-    assert case.clone().run().nbytes >= 8 << 20
-    run_and_check(case)
-
-
 # The set this process runs with (gqa_torch/__init__.py reads GQA_CPU_KERNELS), restored after
 # the tests below pin others.
 PINNED_CPU_KERNELS = os.environ.get("GQA_CPU_KERNELS") or "auto"

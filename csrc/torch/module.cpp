@@ -11,6 +11,7 @@
 #include "../core/plan.h"
 #include "../cpu/lane_kernels.h"
 #include "backend.h"
+#include "cpu_output_cache.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gqa_torch native extension (operators are under torch.ops.gqa)";
@@ -130,6 +131,22 @@ PYBIND11_MODULE(_C, m) {
     return quotients;
   }, pybind11::arg("numerators"), pybind11::arg("divisor"),
         "Tests: the prefill kernels' division by a launch-invariant divisor (core/fast_div.h), on the host.");
+  m.def("_cpu_output_cache_info", []() {
+    const gqa::CpuOutputCacheInfo info = gqa::cpu_output_cache_info();
+    pybind11::dict out;
+    out["limit_bytes"] = info.limit_bytes;
+    out["cached_bytes"] = info.cached_bytes;
+    out["cached_blocks"] = info.cached_blocks;
+    out["hits"] = info.hits;
+    out["misses"] = info.misses;
+    return out;
+  }, "The recycling cache of the CPU ops' large outputs (csrc/torch/cpu_output_cache.h): its limit, what it "
+     "holds, and how many large outputs it served (hits) or allocated fresh (misses).");
+  m.def("_release_cpu_output_cache", &gqa::release_cpu_output_cache, "Frees every block the cache holds.");
+  m.def("_set_cpu_output_cache_limit", [](int64_t bytes) {
+    if (bytes < 0) throw std::invalid_argument("the CPU output cache limit must be 0 or more bytes");
+    gqa::set_cpu_output_cache_limit(size_t(bytes));
+  }, pybind11::arg("bytes"), "The most the cache may hold (0 disables it and frees what it holds).");
   m.def("error_flag_messages", []() {
     std::vector<std::string> messages;
     for (int bit = 0; bit < gqa::kNumErrorFlags; ++bit) messages.emplace_back(gqa::error_flag_message(bit));

@@ -2,13 +2,10 @@
 // includes torch headers; everything below it sees a plain Params struct.
 #include <torch/library.h>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "../core/errors.h"
 #include "../cpu/gqa_cpu.h"
 #include "backend.h"
+#include "cpu_output_cache.h"
 #include "params_builder.h"
 
 namespace gqa {
@@ -24,24 +21,10 @@ void run_cpu_checked(const Params& p) {
   cpu::run(p);
 }
 
-// A fresh CPU present (or a long prompt's output) of tens of MB costs more than the attention:
-// the kernel maps and zeroes it 4 KB page by page on first touch (bench_cpu's functional decode
-// at B = 8 spent 70 of its 110 ms there). Asking for transparent huge pages before the first touch cuts that about 3x.
-// Only the whole 2 MB pages inside the allocation are advised, and only when it is large
-// enough to be fresh memory; a kernel without THP ignores the advice.
-void advise_huge_pages(const at::Tensor& fresh) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  constexpr size_t kMinBytes = size_t{8} << 20;
-  const size_t bytes = fresh.nbytes();
-  if (!fresh.device().is_cpu() || bytes < kMinBytes) return;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(fresh.data_ptr());
-  const uintptr_t first = (start + kHugePage - 1) / kHugePage * kHugePage;
-  const uintptr_t last = (start + bytes) / kHugePage * kHugePage;
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice only
-#else
-  (void)fresh;
-#endif
+// CPU outputs come from the recycling cache (cpu_output_cache.h): a functional call's fresh
+// present is otherwise mapped and zeroed by the kernel page by page, at more than the attention's cost.
+at::Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions& options) {
+  return options.device().is_cpu() ? empty_cpu_output(shape, options) : at::empty(shape, options);
 }
 
 using Opt = c10::optional<at::Tensor>;
@@ -69,13 +52,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> functional_impl(
                                   position_ids, head_sink, num_heads, kv_num_heads, scale, do_rotary,
                                   rotary_interleaved, local_window_size, softcap, smooth_softmax, kv_layout);
   Params p = build_params(in, /*inplace=*/false, total_sequence_length);
-  at::Tensor output = at::empty({p.batch, p.query_len, int64_t(p.q_heads) * p.head_dim}, query.options());
-  advise_huge_pages(output);
+  at::Tensor output = empty_output({p.batch, p.query_len, int64_t(p.q_heads) * p.head_dim}, query.options());
   const auto shape = cache_shape(p.batch, p.kv_heads, p.capacity, p.head_dim, kv_layout);
-  at::Tensor present_key = at::empty(shape, query.options());
-  at::Tensor present_value = at::empty(shape, query.options());
-  advise_huge_pages(present_key);
-  advise_huge_pages(present_value);
+  at::Tensor present_key = empty_output(shape, query.options());
+  at::Tensor present_value = empty_output(shape, query.options());
   set_cache(p, present_key, present_value);
   set_output(p, output);
   if (query.is_cuda()) {
@@ -95,8 +75,7 @@ at::Tensor inplace_impl(const at::Tensor& query, const Opt& key, const Opt& valu
                                   position_ids, head_sink, num_heads, kv_num_heads, scale, do_rotary,
                                   rotary_interleaved, local_window_size, softcap, smooth_softmax, kv_layout);
   Params p = build_params(in, /*inplace=*/true, -1);
-  at::Tensor output = at::empty({p.batch, p.query_len, int64_t(p.q_heads) * p.head_dim}, query.options());
-  advise_huge_pages(output);
+  at::Tensor output = empty_output({p.batch, p.query_len, int64_t(p.q_heads) * p.head_dim}, query.options());
   set_cache(p, key_cache, value_cache);
   set_output(p, output);
   if (query.is_cuda()) {
