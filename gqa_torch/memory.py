@@ -4,7 +4,8 @@ A functional call on the CPU returns fresh presents (and, for a long prompt, a l
 Fresh memory of tens of MB is mapped anew for every call and zeroed by the OS page by page on
 first touch, which costs a decode loop more than its attention. Outputs of 8 MB or more are
 therefore taken from blocks that earlier outputs freed, kept in a cache bounded by a byte limit
-(2 GiB by default; ``GQA_CPU_OUTPUT_CACHE_MB`` in the environment sets it, 0 disables it).
+(by default 2 GiB, or an eighth of the machine's memory where that is less;
+``GQA_CPU_OUTPUT_CACHE_MB`` in the environment sets it, 0 disables it).
 A block unused while 256 large outputs were allocated is freed. CUDA outputs come from
 PyTorch's caching allocator as always.
 """

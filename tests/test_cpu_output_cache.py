@@ -208,6 +208,10 @@ def import_with(value: str) -> subprocess.CompletedProcess:
 
 
 def test_environment_sets_the_limit():
+    result = import_with("")  # unset: 2 GiB, or an eighth of the machine's memory where less
+    assert result.returncode == 0, result.stderr
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
+    assert int(result.stdout) == min(2 << 30, physical // 8)
     result = import_with("64")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(64 << 20)
