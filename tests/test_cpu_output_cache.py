@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -219,3 +220,58 @@ def test_environment_sets_the_limit():
     assert result.returncode != 0
     assert "GQA_CPU_OUTPUT_CACHE_MB must be a whole number of MB, 0 or more (0 disables the cache), got 'lots'" \
         in result.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no fork")
+@pytest.mark.filterwarnings("ignore:This process.*is multi-threaded:DeprecationWarning")
+def test_a_forked_child_uses_the_cache():
+    """A child forked while other threads allocate and free large outputs (a DataLoader worker)
+    inherits the cache unlocked: its own calls finish and return the parent's results. (The lock
+    is held for microseconds of each 2 ms call, so eight forks exercise the fork handlers that
+    keep it consistent but cannot force a fork inside it.)"""
+    case = decode_case()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the child's count: the key splits, and so the rounding, follow it
+    try:
+        expected = case.clone().run()
+    finally:
+        torch.set_num_threads(threads_before)
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            case.clone().run()
+
+    threads = [threading.Thread(target=churn) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        children = []
+        for _ in range(8):
+            pid = os.fork()
+            if pid == 0:  # the child: exit at once, with its verdict as the status
+                ok = False
+                try:
+                    torch.set_num_threads(1)  # as a DataLoader worker does (OpenMP's pool is not forked)
+                    got = case.clone().run()
+                    ok = all(torch.equal(a, b) for a, b in zip(got, expected))
+                except BaseException as exc:  # noqa: BLE001  (the child reports, then exits)
+                    print(f"forked child: {exc!r}", file=sys.stderr)
+                finally:
+                    os._exit(0 if ok else 1)
+            children.append(pid)
+        for pid in children:
+            deadline = time.monotonic() + 120
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    pytest.fail("a forked child hung on a large output (the cache's lock was left held)")
+                time.sleep(0.05)
+            assert os.waitstatus_to_exitcode(status) == 0, "a forked child's result differs"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()

@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #endif
 #if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
 #include <unistd.h>
 #endif
 
@@ -119,7 +120,16 @@ class RecyclingAllocator final : public c10::Allocator {
 
   static RecyclingAllocator& instance() {
     // Never destroyed: tensors freed during interpreter shutdown still return their blocks here.
-    static RecyclingAllocator* allocator = new RecyclingAllocator();
+    static RecyclingAllocator* allocator = [] {
+      auto* made = new RecyclingAllocator();
+#if defined(__unix__) || defined(__APPLE__)
+      // A fork while another thread holds the lock would leave it held forever in the child (a
+      // DataLoader worker, say): hold it across fork, as glibc does for malloc's.
+      pthread_atfork([] { instance().mutex_.lock(); }, [] { instance().mutex_.unlock(); },
+                     [] { instance().mutex_.unlock(); });
+#endif
+      return made;
+    }();
     return *allocator;
   }
 
