@@ -1,5 +1,7 @@
 // Schemas and backend impls of torch.ops.gqa.*. This directory is the only place that
 // includes torch headers; everything below it sees a plain Params struct.
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include "../core/errors.h"
@@ -83,6 +85,11 @@ at::Tensor inplace_impl(const at::Tensor& query, const Opt& key, const Opt& valu
   } else {
     run_cpu_checked(p);
   }
+  // The caches changed behind autograd's back: like PyTorch's own in-place ops, bump their
+  // version counters, so that backward through a graph that saved a cache before this call
+  // raises instead of reading the new values. (Inference tensors have no counter.)
+  for (const at::Tensor* cache : {&key_cache, &value_cache})
+    if (!cache->is_inference()) torch::autograd::impl::bump_version(*cache);
   return output;
 }
 
@@ -111,6 +118,14 @@ TORCH_LIBRARY_IMPL(gqa, CPU, m) {
 TORCH_LIBRARY_IMPL(gqa, CUDA, m) {
   m.impl("group_query_attention", &functional_impl);
   m.impl("group_query_attention_", &inplace_impl);
+}
+
+// The ops have no backward. Without this, an output of inputs that require grad would backprop
+// as if it did not depend on them (PyTorch only warns): now its backward raises "derivative for
+// gqa::... is not implemented". The forward runs as before.
+TORCH_LIBRARY_IMPL(gqa, Autograd, m) {
+  m.impl("group_query_attention", torch::autograd::autogradNotImplementedFallback());
+  m.impl("group_query_attention_", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace gqa
