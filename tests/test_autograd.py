@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo
 
 import gqa_torch
 from conftest import bits_equal, make_case
@@ -95,3 +96,26 @@ def test_the_module_with_trainable_weights_refuses_backward():
     out = layer(torch.randn(2, 3, 64))  # no cache: a prompt attends to itself
     with pytest.raises(RuntimeError, match="derivative for gqa::group_query_attention"):
         out.sum().backward()
+
+
+def test_compile_with_inputs_that_require_grad_says_why_it_fails():
+    """AOTAutograd traces the backward when it compiles a graph whose inputs require grad, so the
+    missing backward shows at compile time (as for PyTorch's own custom ops without one); the
+    README says to compile inference under torch.no_grad(), where the same graph compiles."""
+    case = decode("inplace")
+    projection = torch.nn.Linear(case.query.shape[-1], case.query.shape[-1])
+
+    def step(hidden):
+        graded = case.clone()
+        graded.query = projection(hidden)
+        return graded.run()
+
+    hidden = torch.randn(case.query.shape)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="derivative for gqa::group_query_attention_ is not implemented"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(hidden)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(step, backend="aot_eager", fullgraph=True)(hidden)
+        assert bits_equal(out, step(hidden))
+    torch._dynamo.reset()
