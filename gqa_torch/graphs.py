@@ -140,11 +140,14 @@ class CompiledStep:
         self.compiled = torch.compile(step_fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
 
     def __call__(self, *inputs: Tensor):
-        """One step (marks a new CUDA-graph step for Inductor's graph trees first)."""
+        """One step (marks a new CUDA-graph step for Inductor's graph trees first), under
+        ``torch.no_grad()``: the operators have no backward, and a graph compiled while the
+        model's weights require grad would trace one and fail."""
         mark = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
         if mark is not None:
             mark()
-        return self.compiled(*inputs)
+        with torch.no_grad():
+            return self.compiled(*inputs)
 
     def sync(self, check: bool = True) -> None:
         """As :meth:`CUDAGraphStep.sync`."""

@@ -119,3 +119,27 @@ def test_compile_with_inputs_that_require_grad_says_why_it_fails():
         out = torch.compile(step, backend="aot_eager", fullgraph=True)(hidden)
         assert bits_equal(out, step(hidden))
     torch._dynamo.reset()
+
+
+def test_compiled_step_runs_a_model_whose_weights_require_grad():
+    """gqa_torch.graphs.CompiledStep runs its step under torch.no_grad(), so a decode step of a
+    layer with trainable weights compiles (on the CPU here, with Inductor's default mode)."""
+    from gqa_torch.graphs import CompiledStep
+    torch.manual_seed(0)
+    layer = gqa_torch.GroupQueryAttention(32, 4, 2)
+    cache = gqa_torch.KVCache(1, 2, 2, 8, 16)
+    reference_cache = gqa_torch.KVCache(1, 2, 2, 8, 16)
+    prompt = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        layer(prompt, cache, 0)
+        layer(prompt, reference_cache, 0)
+    torch._dynamo.reset()
+    step = CompiledStep(lambda x: layer(x, cache, 0), mode="default")
+    for _ in range(3):
+        x = torch.randn(2, 1, 32)
+        got = step(x)
+        with torch.no_grad():
+            expected = layer(x, reference_cache, 0)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert not got.requires_grad
+    torch._dynamo.reset()
