@@ -3,12 +3,12 @@
 Two routes, both honouring left-padded batched ``generate()`` (HF's default for decoders):
 
 **Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Qwen2,
-Qwen3 and Gemma2 families are patched so that RoPE, the KV-cache append and attention run in one
+Qwen3, Gemma2 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
 ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache`` holding a
 static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled: sliding
 windows (Mistral; Qwen2/Qwen3 sliding layers; Gemma2's alternating layers), Gemma2's
 ``attn_logit_softcapping`` and ``query_pre_attn_scalar`` scale, Qwen3's q/k RMSNorm before RoPE,
-QKV biases (Qwen2). The Q, K and V projections are fused into one GEMM (no extra memory: the
+QKV biases (Qwen2, gpt-oss), gpt-oss's learned per-head sinks and alternating sliding layers. The Q, K and V projections are fused into one GEMM (no extra memory: the
 three weights become views of the fused one).
 
 Left padding is turned into per-row lengths: each row is *compacted* so its real tokens start
@@ -72,7 +72,7 @@ ATTN_IMPLEMENTATION = "gqa"
 
 #: Attention classes that :func:`enable` patches to the fused route.
 SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
-                               "Gemma2Attention")
+                               "Gemma2Attention", "GptOssAttention")
 
 # Key-slot states written by gqa_mask and read by the attention functions.
 EMPTY, PAST, NEW, NEW_PAD = 0, 1, 2, 3
@@ -379,6 +379,8 @@ class _FusedAttention:
         self.window = int(window) if window else -1
         self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)
         self.qk_norm = getattr(module, "q_norm", None) is not None and getattr(module, "k_norm", None) is not None
+        # gpt-oss: one learned sink logit per query head, read each call (the weights may be reloaded).
+        self.has_sink = isinstance(getattr(module, "sinks", None), Tensor)
         self.fused = fuse_qkv and _fuse_projections(module)
 
     def project(self, module: nn.Module, hidden_states: Tensor):
@@ -463,8 +465,9 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
     seqlens_k = kv.seqlens_k(layer, S)
     key_cache, value_cache = kv.layer(layer)
     rope = fused.rope
+    sink = self.sinks.float() if fused.has_sink else None  # the operator takes fp32 sinks
     out = group_query_attention_(
-        q, k, v, key_cache, value_cache, seqlens_k, rope.cos, rope.sin, position_ids, None,
+        q, k, v, key_cache, value_cache, seqlens_k, rope.cos, rope.sin, position_ids, sink,
         num_heads=fused.num_heads, kv_num_heads=fused.kv_heads, scale=fused.scale, do_rotary=True,
         local_window_size=fused.window, softcap=fused.softcap, kv_layout=kv.kv_layout)
     kv.advance(layer, new_tokens)

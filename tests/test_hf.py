@@ -1,8 +1,8 @@
 """Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
 
-Every family (Llama, Mistral, Qwen2, Qwen3, Gemma2) is built from a config, with the features
-that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
-softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms). The reference is the same
+Every family (Llama, Mistral, Qwen2, Qwen3, Gemma2, gpt-oss) is built from a config, with the
+features that matter switched on and small enough to bind (sliding windows of 4-5 tokens,
+Gemma2's softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks). The reference is the same
 model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
 operator checks that the route under test really ran (no silent fallback).
 """
@@ -34,6 +34,12 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, attn_logit_softcapping=2.0,
                                                          query_pre_attn_scalar=24, final_logit_softcapping=30.0)),
+    # Sinks, alternating sliding layers, QKV biases, YaRN RoPE (its attention scaling) and MoE.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=64, rope_theta=150000.0))),
 }
 
 
@@ -42,6 +48,10 @@ def build(family: str, **overrides):
     config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
     model = getattr(transformers, model_name)(config).eval()
     model.config._attn_implementation = "eager"
+    with torch.no_grad():  # gpt-oss: sinks large enough to move the softmax (its init gives about 0.2)
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.normal_(0.0, 2.0)
     return model
 
 
