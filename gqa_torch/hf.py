@@ -2,8 +2,8 @@
 
 Two routes, both honouring left-padded batched ``generate()`` (HF's default for decoders):
 
-**Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Qwen2,
-Qwen3, Gemma2 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
+**Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Mixtral,
+Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
 ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache`` holding a
 static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled: sliding
 windows (Mistral; Qwen2/Qwen3 sliding layers; Gemma2's alternating layers), Gemma2's
@@ -71,8 +71,9 @@ __all__ = [
 ATTN_IMPLEMENTATION = "gqa"
 
 #: Attention classes that :func:`enable` patches to the fused route.
-SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
-                               "Gemma2Attention", "GptOssAttention")
+SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
+                               "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "Gemma2Attention",
+                               "GptOssAttention")
 
 # Key-slot states written by gqa_mask and read by the attention functions.
 EMPTY, PAST, NEW, NEW_PAD = 0, 1, 2, 3
@@ -212,7 +213,9 @@ def gqa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     k_new = key_cache.gather(2, slot_index).transpose(1, 2).reshape(B, S, Hkv * D)
     v_new = value_cache.gather(2, slot_index).transpose(1, 2).reshape(B, S, Hkv * D)
     seqlens_k = (past + (S - 1)).to(torch.int32)
-    sink = None if s_aux is None else s_aux.detach().float().reshape(Hq).contiguous()
+    sink = None if s_aux is None else s_aux.float().reshape(Hq).contiguous()
+    if sliding_window is None:  # Qwen2-MoE windows its sliding layers through the mask alone
+        sliding_window = getattr(module, "sliding_window", None)
     out = group_query_attention_(
         q, k_new, v_new, key_cache, value_cache, seqlens_k, None, None, None, sink,
         num_heads=Hq, kv_num_heads=Hkv, scale=float(scaling or 0.0),
@@ -372,9 +375,12 @@ class _FusedAttention:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = module.head_dim
         self.scale = float(getattr(module, "scaling", 0.0) or 0.0)
+        layer_types = getattr(config, "layer_types", None)
         if hasattr(module, "sliding_window"):
             window = module.sliding_window
-        else:  # Mistral: one window for every layer
+        elif layer_types is not None:  # Qwen2-MoE sets the attribute on its sliding layers only
+            window = config.sliding_window if layer_types[module.layer_idx] == "sliding_attention" else None
+        else:  # Mistral, Mixtral: one window for every layer
             window = getattr(config, "sliding_window", None)
         self.window = int(window) if window else -1
         self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)

@@ -1,7 +1,7 @@
 """Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
 
-Every family (Llama, Mistral, Qwen2, Qwen3, Gemma2, gpt-oss) is built from a config, with the
-features that matter switched on and small enough to bind (sliding windows of 4-5 tokens,
+Every family (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, gpt-oss) is
+built from a config, with the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens,
 Gemma2's softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks). The reference is the same
 model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
 operator checks that the route under test really ran (no silent fallback).
@@ -34,6 +34,14 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, attn_logit_softcapping=2.0,
                                                          query_pre_attn_scalar=24, final_logit_softcapping=30.0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(sliding_window=4, num_local_experts=4,
+                                                           num_experts_per_tok=2)),
+    # Sliding layers that carry the window attribute, full layers that do not (Qwen2-MoE's own rule).
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        use_sliding_window=True, sliding_window=4, max_window_layers=3, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, qkv_bias=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        use_sliding_window=True, sliding_window=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     # Sinks, alternating sliding layers, QKV biases, YaRN RoPE (its attention scaling) and MoE.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
