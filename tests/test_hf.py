@@ -241,6 +241,44 @@ def test_generic_generate_matches_hf(family, monkeypatch):
     assert torch.equal(got, expected)
 
 
+# Decoders that enable() does not patch, on the generic route alone: what their attention does
+# differently (Gemma3's q/k norms and local RoPE base, Phi3's packed QKV, Granite's multiplier,
+# OLMo2's whole-projection norms, Cohere2's interleaved RoPE and sliding layers, SmolLM3's layers
+# without RoPE, GLM4's partial RoPE, Starcoder2's window, Exaone4's mixed layers) stays HF's.
+OTHER_DECODERS = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=None)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(attention_multiplier=0.2)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict()),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict()),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=4)),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=4)),
+}
+
+
+@pytest.mark.parametrize("family", list(OTHER_DECODERS))
+def test_generic_route_on_other_decoders(family, monkeypatch):
+    config_name, model_name, extra = OTHER_DECODERS[family]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {config_name}")
+    torch.manual_seed(0)
+    ref = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**COMMON, **extra})).eval()
+    ref.config._attn_implementation = "eager"
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation("gqa")
+    ids, mask = left_padded([10, 3, 6])
+    expected = generate(ref, ids, mask)
+    spy = Spy(monkeypatch)
+    got = generate(ours, ids, mask)
+    assert spy.calls["generic"] == 3 * 8 and spy.calls["fused"] == 0, spy.calls
+    assert torch.equal(got, expected), f"\n{got[:, ids.shape[1]:]}\n{expected[:, ids.shape[1]:]}"
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_generic_static_cache_matches_hf(family):
     ref = build(family)
