@@ -25,9 +25,9 @@ are meaningless, exactly as in HF.
 :func:`register`). Any decoder whose attention calls the interface then runs its attention
 through the in-place operator, with HF doing RoPE and owning the cache (dynamic, static or
 sliding); the tests run it on Gemma3, Phi3, Granite, OLMo2, Cohere2, SmolLM3, GLM4, Starcoder2 and
-Exaone4 besides the patched families. The mask function hands the attention a small int8 description of every key slot
-(empty / past / new / new padding); the attention gathers each row's valid keys to the front of a
-scratch copy and calls the operator with per-row lengths. It is correct for any HF cache, but it
+Exaone4 besides the patched families. The mask function hands the attention a small int8
+description of every key slot (empty / past / new / new padding); the attention gathers each
+row's valid keys to the front of a scratch copy and calls the operator with per-row lengths. It is correct for any HF cache, but it
 copies the visible K/V each call: the fused route is the fast one.
 
 Layers patched by :func:`enable` fall back to the generic route when they are called with a
