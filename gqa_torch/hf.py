@@ -3,13 +3,17 @@
 Two routes, both honouring left-padded batched ``generate()`` (HF's default for decoders):
 
 **Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Mixtral,
-Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
+Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3 and gpt-oss
+families are patched so that RoPE, the KV-cache append and attention run in one
 ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache`` holding a
 static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled: sliding
-windows (Mistral; Qwen2/Qwen3 sliding layers; Gemma2's alternating layers), Gemma2's
-``attn_logit_softcapping`` and ``query_pre_attn_scalar`` scale, Qwen3's q/k RMSNorm before RoPE,
-QKV biases (Qwen2, gpt-oss), gpt-oss's learned per-head sinks and alternating sliding layers. The Q, K and V projections are fused into one GEMM (no extra memory: the
-three weights become views of the fused one).
+windows (one for every layer, alternating or per-layer), Gemma2's ``attn_logit_softcapping``,
+the layer's own scale (``query_pre_attn_scalar``, Granite's ``attention_multiplier``), q/k
+RMSNorm before RoPE per head (Qwen3, Gemma3) or over the whole projection (OLMo2), QKV biases
+(Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE (Phi3), one RoPE table a layer
+type (Gemma3's local and global bases) and layers without RoPE (SmolLM3). The Q, K and V
+projections are fused into one GEMM (no extra memory: the three weights become views of the
+fused one); Phi3's is one already.
 
 Left padding is turned into per-row lengths: each row is *compacted* so its real tokens start
 at cache slot 0. In a call with ``S`` new tokens, each row's real tokens (the ones the 2D
@@ -24,11 +28,11 @@ are meaningless, exactly as in HF.
 ``AttentionInterface`` and ``AttentionMaskInterface`` when this module is imported, or by
 :func:`register`). Any decoder whose attention calls the interface then runs its attention
 through the in-place operator, with HF doing RoPE and owning the cache (dynamic, static or
-sliding); the tests run it on Gemma3, Phi3, Granite, OLMo2, Cohere2, SmolLM3, GLM4, Starcoder2 and
-Exaone4 besides the patched families. The mask function hands the attention a small int8
-description of every key slot (empty / past / new / new padding); the attention gathers each
-row's valid keys to the front of a scratch copy and calls the operator with per-row lengths. It is correct for any HF cache, but it
-copies the visible K/V each call: the fused route is the fast one.
+sliding); the tests run it on Cohere2, GLM4, Starcoder2 and Exaone4 besides the patched
+families. The mask function hands the attention a small int8 description of every key slot
+(empty / past / new / new padding); the attention gathers each row's valid keys to the front of
+a scratch copy and calls the operator with per-row lengths. It is correct for any HF cache, but
+it copies the visible K/V each call: the fused route is the fast one.
 
 Layers patched by :func:`enable` fall back to the generic route when they are called with a
 cache that is not a :class:`GQACache` (e.g. a plain ``model(input_ids)``, which makes a
@@ -74,7 +78,8 @@ ATTN_IMPLEMENTATION = "gqa"
 #: Attention classes that :func:`enable` patches to the fused route.
 SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
                                "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "Gemma2Attention",
-                               "GptOssAttention")
+                               "Gemma3Attention", "GptOssAttention", "Phi3Attention", "GraniteAttention",
+                               "Olmo2Attention", "SmolLM3Attention")
 
 # Key-slot states written by gqa_mask and read by the attention functions.
 EMPTY, PAST, NEW, NEW_PAD = 0, 1, 2, 3
@@ -316,7 +321,8 @@ class GQACache(Cache):
                     kv_layout=kv_layout)
         state = getattr(model, "_gqa_state", None)
         if state is not None:
-            state.rope.ensure(max_cache_len)
+            for table in state.rope.values():
+                table.ensure(max_cache_len)
         return cache
 
     # Cache API -----------------------------------------------------------------------------------
@@ -367,11 +373,11 @@ class GQACache(Cache):
 class _FusedAttention:
     """Per-layer constants of a patched HF attention module (plain Python, read at trace time)."""
 
-    def __init__(self, module: nn.Module, config: Any, rope: RopeTables, original_forward: Callable,
+    def __init__(self, module: nn.Module, config: Any, rope: Optional[RopeTables], original_forward: Callable,
                  fuse_qkv: bool) -> None:
         self.original_forward = original_forward
         self.cache_arg = _cache_arg_name(original_forward)
-        self.rope = rope
+        self.rope = rope  # None: a layer without RoPE (SmolLM3's NoPE layers)
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = module.head_dim
@@ -381,30 +387,41 @@ class _FusedAttention:
             window = module.sliding_window
         elif layer_types is not None:  # Qwen2-MoE sets the attribute on its sliding layers only
             window = config.sliding_window if layer_types[module.layer_idx] == "sliding_attention" else None
-        else:  # Mistral, Mixtral: one window for every layer
+        else:  # Mistral, Mixtral, Phi3: one window for every layer
             window = getattr(config, "sliding_window", None)
         self.window = int(window) if window else -1
         self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)
         self.qk_norm = getattr(module, "q_norm", None) is not None and getattr(module, "k_norm", None) is not None
+        # OLMo2 normalises the whole projection; Qwen3 and Gemma3 each head.
+        self.qk_norm_whole = self.qk_norm and _norm_width(module.q_norm) == self.num_heads * self.head_dim
         # gpt-oss: one learned sink logit per query head, read each call (the weights may be reloaded).
         self.has_sink = isinstance(getattr(module, "sinks", None), Tensor)
-        self.fused = fuse_qkv and _fuse_projections(module)
+        self.packed_proj = isinstance(getattr(module, "qkv_proj", None), nn.Linear)  # Phi3: one QKV Linear
+        self.fused = not self.packed_proj and fuse_qkv and _fuse_projections(module)
 
     def project(self, module: nn.Module, hidden_states: Tensor):
         """``(q, k, v)`` ``[B, S, H*D]``; ``k = v = None`` when q is the packed QKV."""
         B, S, _ = hidden_states.shape
         Hq, Hkv, D = self.num_heads, self.kv_heads, self.head_dim
-        if self.fused:
-            packed = torch.nn.functional.linear(hidden_states, module._gqa_qkv_weight, module._gqa_qkv_bias)
+        if self.fused or self.packed_proj:
+            packed = (module.qkv_proj(hidden_states) if self.packed_proj else
+                      torch.nn.functional.linear(hidden_states, module._gqa_qkv_weight, module._gqa_qkv_bias))
             if not self.qk_norm:
                 return packed, None, None
             q, k, v = packed.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         else:
             q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
-        if self.qk_norm:
+        if self.qk_norm_whole:
+            q, k = module.q_norm(q), module.k_norm(k)
+        elif self.qk_norm:
             q = module.q_norm(q.reshape(B, S, Hq, D)).reshape(B, S, Hq * D)
             k = module.k_norm(k.reshape(B, S, Hkv, D)).reshape(B, S, Hkv * D)
         return q, k, v
+
+
+def _norm_width(norm: nn.Module) -> int:
+    weight = getattr(norm, "weight", None)
+    return weight.numel() if isinstance(weight, Tensor) else -1
 
 
 def _fuse_projections(module: nn.Module) -> bool:
@@ -472,10 +489,13 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
     seqlens_k = kv.seqlens_k(layer, S)
     key_cache, value_cache = kv.layer(layer)
     rope = fused.rope
+    cos, sin = (rope.cos, rope.sin) if rope is not None else (None, None)
+    if rope is None:
+        position_ids = None  # positions only place RoPE
     sink = self.sinks.float() if fused.has_sink else None  # the operator takes fp32 sinks
     out = group_query_attention_(
-        q, k, v, key_cache, value_cache, seqlens_k, rope.cos, rope.sin, position_ids, sink,
-        num_heads=fused.num_heads, kv_num_heads=fused.kv_heads, scale=fused.scale, do_rotary=True,
+        q, k, v, key_cache, value_cache, seqlens_k, cos, sin, position_ids, sink,
+        num_heads=fused.num_heads, kv_num_heads=fused.kv_heads, scale=fused.scale, do_rotary=rope is not None,
         local_window_size=fused.window, softcap=fused.softcap, kv_layout=kv.kv_layout)
     kv.advance(layer, new_tokens)
     cache.seen[layer].add_(S)
@@ -485,18 +505,49 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
 
 
 class _EnableState:
-    def __init__(self, rope: RopeTables, patched, attn_before: str, prepare_cache_before) -> None:
+    def __init__(self, rope: nn.ModuleDict, patched, attn_before: str, prepare_cache_before) -> None:
         self.rope = rope
         self.patched = patched
         self.attn_before = attn_before
         self.prepare_cache_before = prepare_cache_before
 
 
-def _find_rotary_embedding(model: nn.Module) -> Optional[nn.Module]:
+# The rope types whose frequencies change with the sequence: the operator's tables are static.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+_ONE_ROPE = "default"  # the key of a model's only RoPE table
+
+
+def _rope_tables(model: nn.Module, rows: int) -> nn.ModuleDict:
+    """The operator's fp32 cos/sin tables for the model's rotary embedding: one (key "default"),
+    or one a layer type where the rotary module keeps frequencies a type (Gemma3: local and global
+    bases). Dynamic and LongRoPE frequencies are left out (their layers stay on HF's attention)."""
+    tables = nn.ModuleDict()
     for module in model.modules():
-        if isinstance(getattr(module, "inv_freq", None), Tensor) and hasattr(module, "attention_scaling"):
-            return module
-    return None
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, Tensor) and hasattr(module, "attention_scaling"):
+            sources = {_ONE_ROPE: (inv_freq, module.attention_scaling, getattr(module, "rope_type", "default"))}
+        elif isinstance(getattr(module, "rope_type", None), dict) and getattr(module, "layer_types", None):
+            sources = {t: (getattr(module, f"{t}_inv_freq"), getattr(module, f"{t}_attention_scaling"),
+                           module.rope_type[t]) for t in module.layer_types if t in module.rope_type}
+        else:
+            continue
+        for key, (freq, scaling, rope_type) in sources.items():
+            if rope_type not in _DYNAMIC_ROPE:
+                tables[key] = RopeTables(freq.detach().float().cpu(), rows, float(scaling), device=freq.device)
+        return tables
+    return tables
+
+
+def _layer_rope(module: nn.Module, config: Any, tables: nn.ModuleDict):
+    """``(patchable, table)`` of an attention layer: its RoPE table (None for a layer without
+    RoPE), and whether the fused route can run it at all."""
+    if not getattr(module, "use_rope", True):  # SmolLM3's NoPE layers (use_rope is 0 or 1 there)
+        return True, None
+    key = _ONE_ROPE
+    if _ONE_ROPE not in tables:
+        layer_types = getattr(config, "layer_types", None)
+        key = layer_types[module.layer_idx] if layer_types else None
+    return key in tables, tables[key] if key in tables else None
 
 
 def _set_attn_implementation(model: nn.Module, name: str) -> None:
@@ -534,19 +585,19 @@ def enable(model: nn.Module, *, fuse_qkv: bool = True, max_positions: Optional[i
     register()
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     before = getattr(config, "_attn_implementation", None)
-    rotary = _find_rotary_embedding(model)
+    rows = max_positions or getattr(config, "max_position_embeddings", None) or 4096
+    rope = _rope_tables(model, rows)
     patched = []
-    rope = None
-    if rotary is not None and getattr(rotary, "rope_type", "default") not in ("dynamic", "longrope"):
-        rows = max_positions or getattr(config, "max_position_embeddings", None) or 4096
-        rope = RopeTables(rotary.inv_freq.detach().float().cpu(), rows, float(rotary.attention_scaling),
-                          device=rotary.inv_freq.device)
+    if len(rope):
         model.add_module("gqa_rope", rope)
         for module in model.modules():
             if type(module).__name__ not in SUPPORTED_ATTENTION_CLASSES or getattr(module, "is_causal", True) is False:
                 continue
+            patchable, table = _layer_rope(module, config, rope)
+            if not patchable:
+                continue
             original = module.forward
-            module._gqa_fused = _FusedAttention(module, config, rope, original, fuse_qkv)
+            module._gqa_fused = _FusedAttention(module, config, table, original, fuse_qkv)
             module.forward = types.MethodType(_fused_forward, module)
             patched.append(module)
     _set_attn_implementation(model, ATTN_IMPLEMENTATION)

@@ -1,14 +1,16 @@
 """Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
 
-Every family (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, gpt-oss) is
-built from a config, with the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens,
-Gemma2's softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks). The reference is the same
-model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
+Every family that enable() patches (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
+Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, gpt-oss) is built from a config, with the features
+that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
+softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks; the comments
+in FAMILIES say the rest). The reference is the same model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
 operator checks that the route under test really ran (no silent fallback).
 """
 from __future__ import annotations
 
 import copy
+import sys
 from collections import Counter
 
 import pytest
@@ -42,6 +44,20 @@ FAMILIES = {
         moe_intermediate_size=32, shared_expert_intermediate_size=64, qkv_bias=True)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         use_sliding_window=True, sliding_window=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    # Local and global RoPE bases (one table a layer type), per-head q/k norms, sliding layers.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # One packed QKV Linear, partial RoPE (Phi-4-mini's factor), one window for every layer.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=4, partial_rotary_factor=0.5)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(attention_multiplier=0.2, embedding_multiplier=2.0,
+                                                            residual_multiplier=0.5, logits_scaling=2.0)),
+    # q/k RMSNorm over the whole projection.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # A layer without RoPE between two with it, and sliding layers.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # Sinks, alternating sliding layers, QKV biases, YaRN RoPE (its attention scaling) and MoE.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
@@ -82,7 +98,8 @@ class Spy:
         real = ghf.group_query_attention_
 
         def spy(*args, **kwargs):
-            self.calls["fused" if kwargs.get("do_rotary") else "generic"] += 1
+            caller = sys._getframe(1).f_code.co_name  # the route's function
+            self.calls[{"_fused_forward": "fused", "gqa_attention_forward": "generic"}.get(caller, caller)] += 1
             return real(*args, **kwargs)
 
         monkeypatch.setattr(ghf, "group_query_attention_", spy)
@@ -242,19 +259,11 @@ def test_generic_generate_matches_hf(family, monkeypatch):
 
 
 # Decoders that enable() does not patch, on the generic route alone: what their attention does
-# differently (Gemma3's q/k norms and local RoPE base, Phi3's packed QKV, Granite's multiplier,
-# OLMo2's whole-projection norms, Cohere2's interleaved RoPE and sliding layers, SmolLM3's layers
-# without RoPE, GLM4's partial RoPE, Starcoder2's window, Exaone4's mixed layers) stays HF's.
+# differently (Cohere2's interleaved RoPE and sliding layers, GLM4's partial interleaved RoPE,
+# Starcoder2's window, Exaone4's mixed layers) stays HF's.
 OTHER_DECODERS = {
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        sliding_window=4, query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=None)),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(attention_multiplier=0.2)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
         sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict()),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict()),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=4)),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=4)),
