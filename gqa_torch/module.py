@@ -11,7 +11,6 @@ import math
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache

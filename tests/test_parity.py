@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 import gqa_torch
-from conftest import (DTYPES, NORM_REL, assert_output_close, bits_equal, check_caches, make_case, poison,
+from conftest import (DTYPES, NORM_REL, assert_output_close, bits_equal, check_caches, make_case,
                       record_error, run_and_check, output_error)
 from pairwise import pairwise
-from reference import reference_gqa, reference_gqa_, reference_rotated_qkv, reference_row_geometry
+from reference import reference_gqa, reference_rotated_qkv
 
 FEATURES = {
     "plain": dict(),

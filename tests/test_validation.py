@@ -16,7 +16,7 @@ import torch
 
 import gqa_torch
 from gqa_torch import errors as gerr
-from conftest import bits_equal, make_case, poison
+from conftest import bits_equal, make_case
 from conftest import call_op as call
 
 B, S, HQ, HKV, D, P, C, ROWS = 2, 3, 4, 2, 8, 6, 10, 16
