@@ -41,13 +41,15 @@ cache that is not a :class:`GQACache` (e.g. a plain ``model(input_ids)``, which 
 Limits: causal decoders only; no dropout; no packed (padding-free) sequences; RoPE must have
 static frequencies (not ``dynamic``/``longrope``); masks are expected in HF's left-padding form
 (padding before the tokens of a row). ``GQACache`` has a fixed batch: beam search works
-(``reorder_cache``), batch expansion/selection of a filled cache and ``crop`` do not.
+(``reorder_cache``), batch expansion/selection of a filled cache do not. Assisted decoding
+(``assistant_model``, ``prompt_lookup_num_tokens``) works: ``crop`` removes columns that were real
+tokens of every row, which is what it rolls back.
 """
 from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -247,6 +249,7 @@ class _GQACacheLayer(CacheLayerMixin):
     fused attention (``update`` is refused)."""
 
     is_compileable = True
+    is_croppable = True  # GQACache.crop, for batches without padding in the removed columns
     is_sliding = False
 
     def __init__(self, parent: "GQACache", layer_idx: int) -> None:
@@ -302,8 +305,12 @@ class GQACache(Cache):
         self.kv = KVCache(num_layers, batch_size, kv_heads, head_dim, max_cache_len, dtype=dtype, device=device,
                           kv_layout=kv_layout)
         self.seen = torch.zeros(num_layers, dtype=torch.int64, device=self.kv.device)
+        # Trailing columns that were a real token of every row (what crop may remove), counted at
+        # the first layer: every layer is fed the same columns with the same mask.
+        self.pad_free_columns = torch.zeros((), dtype=torch.int64, device=self.kv.device)
         if self.kv.device.type == "cuda":
             torch._dynamo.mark_static_address(self.seen)
+            torch._dynamo.mark_static_address(self.pad_free_columns)
         super().__init__(layers=[_GQACacheLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -342,6 +349,7 @@ class GQACache(Cache):
         """Empties every row (lengths and column counters to 0), in place."""
         self.kv.reset()
         self.seen.zero_()
+        self.pad_free_columns.zero_()
 
     def reset_rows(self, rows) -> None:
         """Empties some rows (see :meth:`gqa_torch.KVCache.reset_rows`). The column counter is shared
@@ -353,8 +361,40 @@ class GQACache(Cache):
         self.kv.reorder(beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Not supported (assisted decoding rolls back tokens): raises ``NotImplementedError``."""
-        raise NotImplementedError("GQACache does not support crop (assisted decoding); use an HF cache")
+        """Drops the last columns fed to every layer (assisted decoding rolls back the draft
+        tokens the model rejected). ``tokens_to_remove <= 0`` removes that many columns; a positive
+        value is the number of columns to keep (transformers' older convention).
+
+        Rows are compacted, so a column is one slot of every row only where no row had padding
+        in it; cropping into columns where some row had padding (a left-padded prompt) raises
+        ``ValueError``. Reads two small device tensors (one sync), as the caller does anyway."""
+        seen = int(self.seen.max())
+        keep = seen + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        remove = seen - keep
+        if remove <= 0:
+            return
+        if keep < 0 or int(self.seen.min()) != seen:
+            raise ValueError(f"GQACache.crop: cannot remove {remove} of the {seen} columns fed "
+                             f"(layers fed {self.seen.tolist()} columns)")
+        pad_free = int(self.pad_free_columns)
+        if pad_free < remove:
+            raise ValueError(
+                f"GQACache.crop: the last {remove} columns are not real tokens of every row (only the last "
+                f"{pad_free} are; rows are compacted, so columns that held padding for some row cannot be "
+                "removed). Crop batches without padding, as assisted decoding feeds them.")
+        self.kv.lengths.sub_(remove)
+        self.seen.sub_(remove)
+        self.pad_free_columns.sub_(remove)
+
+    def _note_columns(self, columns: int, real_tokens: Union[int, Tensor]) -> None:
+        """After the first layer was fed ``columns`` columns, of which each row kept
+        ``real_tokens`` (its last ones): how many trailing columns are real for every row."""
+        tail = self.pad_free_columns
+        if isinstance(real_tokens, int):
+            tail.add_(columns) if real_tokens == columns else tail.fill_(real_tokens)
+            return
+        fewest = real_tokens.min().to(tail.dtype)
+        tail.copy_(torch.where(fewest == columns, tail + columns, fewest))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Not supported (the batch is fixed): raises ``NotImplementedError``."""
@@ -499,6 +539,8 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
         local_window_size=fused.window, softcap=fused.softcap, kv_layout=kv.kv_layout)
     kv.advance(layer, new_tokens)
     cache.seen[layer].add_(S)
+    if layer == 0:
+        cache._note_columns(S, new_tokens)
     if order is not None:
         out = _gather_rows(out, torch.argsort(order, dim=-1))
     return self.o_proj(out), None
@@ -644,6 +686,11 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs: Dict[st
         return hf_impl(self, generation_config, model_kwargs, *args, **kwargs)
     if getattr(generation_config, "max_cache_len", None):
         max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+    if str(getattr(bound.arguments.get("generation_mode"), "value", "")) == "assisted_generation":
+        # The verifying forward feeds the pending token and the draft at once; near max_length the
+        # draft can reach past it before crop() rolls the rejected part back.
+        draft = max(generation_config.prompt_lookup_num_tokens or 0, int(generation_config.num_assistant_tokens or 0))
+        max_cache_length += draft + 1
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
     model_kwargs[cache_arg] = GQACache.for_model(self, rows, max_cache_length)
 

@@ -243,6 +243,58 @@ def test_gqacache_reset_and_reuse_across_generate_calls():
     assert torch.equal(first, generate(ref, ids, mask))
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("draft", ["prompt_lookup", "assistant"])
+def test_fused_assisted_generation_matches_hf(family, draft, monkeypatch):
+    """Assisted decoding verifies a draft in one forward and crops the rejected tokens: the
+    GQACache's crop, with room for a draft that reaches past max_length."""
+    ref = build(family)
+    ours = ghf.enable(copy.deepcopy(ref))
+    ids, mask = left_padded([9])
+    ids[0, 5:9] = ids[0, 0:4]  # a repeated n-gram, so prompt lookup proposes drafts
+    expected = generate(ref, ids, mask, max_new_tokens=12)
+    if draft == "prompt_lookup":
+        kwargs = dict(prompt_lookup_num_tokens=3)
+    else:  # a smaller model of its own weights: its drafts are often wrong
+        torch.manual_seed(1)
+        kwargs = dict(assistant_model=ghf.enable(build(family, num_hidden_layers=1)))
+    crops = Counter()
+    real_crop = GQACache.crop
+
+    def counting_crop(cache, tokens_to_remove):
+        crops[tokens_to_remove < 0] += 1
+        return real_crop(cache, tokens_to_remove)
+
+    monkeypatch.setattr(GQACache, "crop", counting_crop)
+    spy = Spy(monkeypatch)
+    got = generate(ours, ids, mask, max_new_tokens=12, **kwargs)
+    assert torch.equal(got, expected)
+    assert spy.calls["fused"] > 0 and spy.calls["generic"] == 0, spy.calls
+    assert crops[True] > 0, "no draft token was ever rejected: the case does not test crop"
+
+
+def test_gqacache_crop_removes_real_columns_only():
+    """Cropping the last columns equals never having fed them (the logits of feeding them again
+    are unchanged); columns where a left-padded row had padding cannot be cropped."""
+    model = ghf.enable(build("qwen3"))
+    ids, mask = left_padded([9, 5])
+    cache = GQACache.for_model(model, 2, 16)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, **cache_kw(model, cache)).logits
+        cache.crop(-3)
+        assert cache.kv.lengths_host(0).tolist() == [6, 2] and cache.seen.tolist() == [6, 6, 6]
+        again = model(ids[:, -3:], attention_mask=mask, **cache_kw(model, cache)).logits
+    torch.testing.assert_close(again, full[:, -3:], rtol=1e-5, atol=1e-5)
+    cache.crop(0)  # nothing
+    assert cache.kv.lengths_host(0).tolist() == [9, 5]
+    with pytest.raises(ValueError, match=r"GQACache.crop: the last 6 columns are not real tokens of every row \(only "
+                                         r"the last 5 are"):
+        cache.crop(-6)
+    assert cache.kv.lengths_host(0).tolist() == [9, 5]  # unchanged by the refused crop
+    cache.crop(4)  # transformers' older convention: keep 4 columns
+    assert cache.kv.lengths_host(0).tolist() == [4, 0] and int(cache.get_seq_length()) == 4
+
+
 # ---- the generic route (attn_implementation="gqa") ------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILIES))
