@@ -367,7 +367,8 @@ class GQACache(Cache):
 
         Rows are compacted, so a column is one slot of every row only where no row had padding
         in it; cropping into columns where some row had padding (a left-padded prompt) raises
-        ``ValueError``. Reads two small device tensors (one sync), as the caller does anyway."""
+        ``ValueError``. It reads the small column counters on the host (device syncs), as
+        assisted decoding does anyway between its steps."""
         seen = int(self.seen.max())
         keep = seen + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         remove = seen - keep
@@ -391,7 +392,10 @@ class GQACache(Cache):
         ``real_tokens`` (its last ones): how many trailing columns are real for every row."""
         tail = self.pad_free_columns
         if isinstance(real_tokens, int):
-            tail.add_(columns) if real_tokens == columns else tail.fill_(real_tokens)
+            if real_tokens == columns:
+                tail.add_(columns)
+            else:
+                tail.fill_(real_tokens)
             return
         fewest = real_tokens.min().to(tail.dtype)
         tail.copy_(torch.where(fewest == columns, tail + columns, fewest))
@@ -630,14 +634,13 @@ def enable(model: nn.Module, *, fuse_qkv: bool = True, max_positions: Optional[i
     rows = max_positions or getattr(config, "max_position_embeddings", None) or 4096
     rope = _rope_tables(model, rows)
     patched = []
-    if len(rope):
+    layers = [(module, *_layer_rope(module, config, rope)) for module in model.modules()
+              if type(module).__name__ in SUPPORTED_ATTENTION_CLASSES
+              and getattr(module, "is_causal", True) is not False]
+    # All or none: a GQACache can only serve a model whose every attention layer writes it.
+    if len(rope) and layers and all(patchable for _, patchable, _ in layers):
         model.add_module("gqa_rope", rope)
-        for module in model.modules():
-            if type(module).__name__ not in SUPPORTED_ATTENTION_CLASSES or getattr(module, "is_causal", True) is False:
-                continue
-            patchable, table = _layer_rope(module, config, rope)
-            if not patchable:
-                continue
+        for module, _, table in layers:
             original = module.forward
             module._gqa_fused = _FusedAttention(module, config, table, original, fuse_qkv)
             module.forward = types.MethodType(_fused_forward, module)

@@ -273,6 +273,21 @@ def test_fused_assisted_generation_matches_hf(family, draft, monkeypatch):
     assert crops[True] > 0, "no draft token was ever rejected: the case does not test crop"
 
 
+def test_a_layer_type_with_dynamic_rope_keeps_the_whole_model_on_the_generic_route(monkeypatch):
+    """Gemma3 with dynamic RoPE on its global layers: those layers cannot be fused (the operator's
+    tables are static), and a GQACache needs every layer, so enable() patches none and generate()
+    runs the generic route everywhere, matching HF."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "dynamic", "rope_theta": 1000000.0, "factor": 2.0}}
+    ref = build("gemma3", rope_parameters=rope)
+    ours = ghf.enable(copy.deepcopy(ref))
+    assert ours._gqa_state.patched == []
+    ids, mask = left_padded([5, 11])
+    spy = Spy(monkeypatch)
+    assert torch.equal(generate(ours, ids, mask), generate(ref, ids, mask))
+    assert spy.calls["generic"] > 0 and spy.calls["fused"] == 0
+
+
 def test_gqacache_crop_removes_real_columns_only():
     """Cropping the last columns equals never having fed them (the logits of feeding them again
     are unchanged); columns where a left-padded row had padding cannot be cropped."""

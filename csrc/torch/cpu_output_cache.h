@@ -19,7 +19,8 @@ namespace gqa {
 constexpr size_t kMinRecycledBytes = size_t{8} << 20;
 
 // A CPU tensor of `shape` like at::empty(shape, options); from the recycling cache when it is
-// kMinRecycledBytes or more and the cache is enabled. Contents are unspecified.
+// kMinRecycledBytes or more (with the cache disabled, a fresh block that is freed with the
+// tensor). Contents are unspecified.
 at::Tensor empty_cpu_output(at::IntArrayRef shape, const at::TensorOptions& options);
 
 struct CpuOutputCacheInfo {

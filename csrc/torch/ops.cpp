@@ -24,7 +24,8 @@ void run_cpu_checked(const Params& p) {
 }
 
 // CPU outputs come from the recycling cache (cpu_output_cache.h): a functional call's fresh
-// present is otherwise mapped and zeroed by the kernel page by page, at more than the attention's cost.
+// present is otherwise mapped and zeroed by the kernel page by page, at more than the
+// attention's cost.
 at::Tensor empty_output(at::IntArrayRef shape, const at::TensorOptions& options) {
   return options.device().is_cpu() ? empty_cpu_output(shape, options) : at::empty(shape, options);
 }
