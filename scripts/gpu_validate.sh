@@ -51,7 +51,8 @@ DECODE_SPLIT+=";head_size and not head_size_64"
 PREFILL_SPLIT="prefill_routes and fp16;prefill_routes and bf16;prefill_kernel_append"
 PREFILL_SPLIT+=";prefill_route_same_bits or prefill_many_blocks"
 OTHER_FILES="tests/test_fuzz.py tests/test_parity.py tests/test_torch_integration.py tests/test_soak_concurrency.py"
-OTHER_FILES+=" tests/test_ort.py tests/test_harness.py tests/test_fast_div.py"
+OTHER_FILES+=" tests/test_ort.py tests/test_harness.py tests/test_fast_div.py tests/test_autograd.py"
+OTHER_FILES+=" tests/test_cpu_output_cache.py"
 # Every decode loader at every fast head size (bf16), the balanced partition, the merge kernel
 # over many splits and the equal rows' tail splits.
 SANITIZE_K="((head_size_128_loaders or head_sizes_80_96_loaders or head_size_64_loaders or head_size_256_warps) and bf16)"

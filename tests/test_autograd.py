@@ -19,19 +19,22 @@ import gqa_torch
 from conftest import bits_equal, make_case
 
 OPS = {"functional": "gqa::group_query_attention", "inplace": "gqa::group_query_attention_"}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not gqa_torch.cuda_kernels_available(), reason="needs the CUDA kernels and a CUDA device"))]
 
 
-def decode(op):
+def decode(op, device="cpu"):
     return make_case(op, batch=2, seq=1, num_heads=4, kv_num_heads=2, head_dim=16, capacity=12,
-                     past_lengths=[5, 9], rotary="half", poison_unused=False)
+                     past_lengths=[5, 9], rotary="half", poison_unused=False, device=device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("needs_grad", ["query", "key", "value", "sink"])
-def test_backward_raises_and_the_forward_is_unchanged(op, needs_grad):
-    case = decode(op) if needs_grad != "sink" else make_case(
+def test_backward_raises_and_the_forward_is_unchanged(op, needs_grad, device):
+    case = decode(op, device) if needs_grad != "sink" else make_case(
         op, batch=2, seq=1, num_heads=4, kv_num_heads=2, head_dim=16, capacity=12, past_lengths=[5, 9],
-        sink=True, poison_unused=False)
+        sink=True, poison_unused=False, device=device)
     with torch.no_grad():
         expected = case.clone().run()
     graded = case.clone()
@@ -59,10 +62,11 @@ def test_no_grad_outputs_do_not_require_grad(op):
     assert not any(t.requires_grad for t in out)
 
 
-def test_inplace_bumps_cache_versions():
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_bumps_cache_versions(device):
     """In grad mode, under no_grad and under inference mode (normal tensors); an inference
     tensor, which has no counter, is still written outside inference mode."""
-    case = decode("inplace")
+    case = decode("inplace", device)
     for context in (torch.enable_grad, torch.no_grad, torch.inference_mode):
         before = (case.cache_key._version, case.cache_value._version)
         with context():
@@ -70,7 +74,7 @@ def test_inplace_bumps_cache_versions():
         assert case.cache_key._version > before[0] and case.cache_value._version > before[1], context
 
     with torch.inference_mode():
-        inference = decode("inplace")
+        inference = decode("inplace", device)
         inference.run()
     assert inference.cache_key.is_inference()
     before = inference.cache_key.clone()
