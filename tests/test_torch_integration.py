@@ -1,5 +1,6 @@
-"""torch integration (DESIGN "Registration"): opcheck on both operators, fake/meta shapes, and
-the in-place op inside torch.compile(fullgraph=True) decode loops compared with eager.
+"""torch integration (DESIGN "Registration"): opcheck on both operators, fake/meta shapes, the
+in-place op inside torch.compile(fullgraph=True) decode loops compared with eager, and
+torch.export of both (the in-place writes as buffer mutations).
 
 Compilation is slow on a 2-core CI machine, so there are few compile tests; the inductor one
 compiles once and then runs several steps (no recompiles allowed).
@@ -177,4 +178,58 @@ def test_compile_functional_op_no_graph_break():
     assert explanation.graph_break_count == 0
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for a, b in zip(compiled(*args), f(*args)):
+        assert bits_equal(a, b)
+
+
+class _ExportedStep(torch.nn.Module):
+    """A projection and the in-place op on the module's own cache buffers (a decode step)."""
+
+    def __init__(self, batch, capacity, hq, hkv, d):
+        super().__init__()
+        self.hq, self.hkv = hq, hkv
+        self.proj = torch.nn.Linear(hq * d, (hq + 2 * hkv) * d)
+        self.register_buffer("key_cache", torch.randn(batch, hkv, capacity, d))
+        self.register_buffer("value_cache", torch.randn(batch, hkv, capacity, d))
+
+    def forward(self, x, seqlens_k, cos, sin):
+        return torch.ops.gqa.group_query_attention_(self.proj(x), None, None, self.key_cache, self.value_cache,
+                                                    seqlens_k, cos, sin, num_heads=self.hq, kv_num_heads=self.hkv,
+                                                    do_rotary=True)
+
+
+def test_torch_export_in_place_step_and_functional_op():
+    """torch.export: the in-place op's cache writes become buffer mutations of the exported program
+    (after run_decompositions, as AOTInductor takes it), and both ops run from the exported
+    module with eager's results, caches included."""
+    torch.manual_seed(0)
+    B, C, Hq, Hkv, D = 2, 16, 4, 2, 16
+    eager = _ExportedStep(B, C, Hq, Hkv, D).eval()
+    start = {k: v.clone() for k, v in eager.state_dict().items()}
+    x = torch.randn(B, 1, Hq * D)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    angle = torch.rand(32, D // 2) * 6.28
+    args = (x, seqlens, angle.cos(), angle.sin())
+    with torch.no_grad():
+        program = torch.export.export(eager, args).run_decompositions()
+        assert set(program.graph_signature.buffers_to_mutate.values()) == {"key_cache", "value_cache"}
+        exported = program.module()
+        exported.load_state_dict(start)
+        got = exported(*args)
+        want = eager(*args)  # eager's caches started from `start` too
+    assert bits_equal(got, want)
+    for name in ("key_cache", "value_cache"):
+        assert bits_equal(getattr(exported, name), getattr(eager, name))
+        assert not bits_equal(getattr(eager, name), start[name])  # the step wrote the caches
+
+    case = make_case("functional", batch=2, seq=1, capacity=8, rotary="half", poison_unused=False)
+
+    class Functional(torch.nn.Module):
+        def forward(self, q, k, v, pk, pv, sl, cos, sin):
+            return torch.ops.gqa.group_query_attention(q, k, v, pk, pv, sl, case.total_sequence_length, cos, sin,
+                                                       **case.attrs)
+
+    fargs = (case.query, case.key, case.value, case.cache_key, case.cache_value, case.seqlens_k, case.cos_cache,
+             case.sin_cache)
+    functional = torch.export.export(Functional(), fargs).run_decompositions().module()
+    for a, b in zip(functional(*fargs), Functional()(*fargs)):
         assert bits_equal(a, b)
