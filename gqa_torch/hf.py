@@ -472,10 +472,15 @@ def _fuse_projections(module: nn.Module) -> bool:
     """Concatenates q/k/v weights (and biases) into one tensor and turns the three Linear weights
     into views of it, so the fused GEMM costs no extra memory. False when not possible."""
     linears = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not all(isinstance(lin, nn.Linear) for lin in linears):
+    # Exactly nn.Linear with plain float weights: subclasses (bitsandbytes' Linear4bit/8bitLt,
+    # fake-quant and hooked layers) keep their own forward, which one GEMM on the concatenated
+    # weights would skip; they are called one by one instead.
+    if not all(type(lin) is nn.Linear for lin in linears):
         return False
     weights = [lin.weight for lin in linears]
-    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or any(w.device.type == "meta" for w in weights):
+    if any(type(w) is not nn.Parameter or not w.is_floating_point() or w.device.type == "meta" for w in weights):
+        return False
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return False
     if getattr(module, "_gqa_qkv_weight", None) is not None:
         return True

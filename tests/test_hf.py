@@ -217,6 +217,31 @@ def test_fused_qkv_shares_storage_and_disable_restores():
     assert torch.equal(generate(model, ids, mask, max_new_tokens=4), generate(ref, ids, mask, max_new_tokens=4))
 
 
+class _ScaledLinear(torch.nn.Linear):
+    """A Linear subclass with a forward of its own, as quantised or hooked projections have."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_projections_with_their_own_forward_are_not_fused(monkeypatch):
+    """q/k/v projections that subclass nn.Linear (bitsandbytes, fake quantisation) keep their
+    forward: enable() does not concatenate their weights, and the fused route calls each."""
+    ref = build("llama")
+    for layer in ref.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(layer.self_attn, name)
+            new = _ScaledLinear(old.in_features, old.out_features, bias=old.bias is not None)
+            new.load_state_dict(old.state_dict())
+            setattr(layer.self_attn, name, new)
+    ours = ghf.enable(copy.deepcopy(ref))
+    assert all(getattr(layer.self_attn, "_gqa_qkv_weight", None) is None for layer in ours.model.layers)
+    ids, mask = left_padded([5, 11])
+    spy = Spy(monkeypatch)
+    assert torch.equal(generate(ours, ids, mask), generate(ref, ids, mask))
+    assert spy.calls["fused"] > 0 and spy.calls["generic"] == 0
+
+
 def test_gqacache_too_small_raises_before_writing():
     model = ghf.enable(build("llama"))
     ids, mask = left_padded([6, 6])
