@@ -272,9 +272,9 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
   if (s_begin >= s_valid_end) return;
 
   // Rows are (token, head) pairs, token-major, padded with zero rows up to a multiple of
-  // kRowBlock. Scratch: queries, accumulators, K and V tiles in fp32 (fp32 caches are read in
-  // place instead; tasks of kTransposeMinBlocks row blocks or more take K transposed, key_t),
-  // a block of scores, cos/sin.
+  // kRowBlock. Scratch: queries, accumulators, K and V tiles in fp32 (fp32 caches, and bf16 ones
+  // in tasks of few row blocks, are read in place instead; tasks of kTransposeMinBlocks row blocks
+  // or more take K transposed, key_t), a block of scores, cos/sin.
   constexpr bool kConvert = !std::is_same_v<T, float>;
   const LaneKernels& kernels = lane_kernels();
   const int rows = (s_valid_end - s_begin) * G;
@@ -298,6 +298,12 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
   std::vector<RunningSoftmax> states(padded_rows);
   const float* key_rows[kKeyTile];
   const float* value_rows[kKeyTile];
+  // In tasks of few row blocks (decode), bf16 rows are read in place by the bf16 kernels, which
+  // widen them in registers (a bf16 is the high half of an fp32; fp16 would need F16C, which the
+  // baseline set lacks). Tasks of many blocks widen each tile once for all their blocks.
+  const bool bf16_rows = std::is_same_v<T, c10::BFloat16> && !transposed;
+  const uint16_t* key_rows16[kKeyTile];
+  const uint16_t* value_rows16[kKeyTile];
 
   // Queries are rotated and rounded to T, as a fused kernel that writes q back would; the
   // scale is folded in after.
@@ -321,13 +327,17 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
       const T* v = head_row<T>(p.value_cache, p.cache_strides, b, tile_begin + j, kv_head);
       if (transposed) {
         for (int d = 0; d < D; ++d) key_t[static_cast<size_t>(d) * kKeyTileT + j] = static_cast<float>(k[d]);
+      } else if (bf16_rows) {
+        key_rows16[j] = reinterpret_cast<const uint16_t*>(k);
       } else if constexpr (kConvert) {
         key_rows[j] = key_tile + j * D;
         widen(k, D, key_tile + j * D);
       } else {
         key_rows[j] = k;
       }
-      if constexpr (kConvert) {
+      if (bf16_rows) {
+        value_rows16[j] = reinterpret_cast<const uint16_t*>(v);
+      } else if constexpr (kConvert) {
         value_rows[j] = value_tile + j * D;
         widen(v, D, value_tile + j * D);
       } else {
@@ -359,17 +369,23 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
       if (begin >= end) continue;
 
       float* block_acc = acc + static_cast<size_t>(block) * D;
+      const float* block_queries = queries + static_cast<size_t>(block) * D;
       if (transposed)
-        kernels.score_block_t(queries + static_cast<size_t>(block) * D, key_t, begin, end, D, scores);
+        kernels.score_block_t(block_queries, key_t, begin, end, D, scores);
+      else if (bf16_rows)
+        kernels.score_block_bf16(block_queries, key_rows16 + begin, end - begin, D, scores);
       else
-        kernels.score_block(queries + static_cast<size_t>(block) * D, key_rows + begin, end - begin, D, scores);
+        kernels.score_block(block_queries, key_rows + begin, end - begin, D, scores);
       for (int r = 0; r < kRowBlock; ++r) {  // scores start at key `begin`
         visible_begin[r] = std::clamp(visible_begin[r] - begin, 0, end - begin);
         visible_end[r] = std::clamp(visible_end[r] - begin, visible_begin[r], end - begin);
         if (p.softcap > 0.f) apply_softcap(p.softcap, scores + r * kKeyTile, visible_begin[r], visible_end[r]);
       }
       kernels.softmax_block(scores, end - begin, visible_begin, visible_end, &states[block], block_acc, D);
-      kernels.accumulate_block(block_acc, scores, value_rows + begin, end - begin, D);
+      if (bf16_rows)
+        kernels.accumulate_block_bf16(block_acc, scores, value_rows16 + begin, end - begin, D);
+      else
+        kernels.accumulate_block(block_acc, scores, value_rows + begin, end - begin, D);
     }
   }
 

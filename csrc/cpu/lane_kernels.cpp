@@ -36,16 +36,19 @@ template <>
 struct VectorTypes<4> {
   typedef float Float __attribute__((vector_size(16)));
   typedef int32_t Int __attribute__((vector_size(16)));
+  typedef uint16_t Half __attribute__((vector_size(8)));  // W bf16 values
 };
 template <>
 struct VectorTypes<8> {
   typedef float Float __attribute__((vector_size(32)));
   typedef int32_t Int __attribute__((vector_size(32)));
+  typedef uint16_t Half __attribute__((vector_size(16)));
 };
 template <>
 struct VectorTypes<16> {
   typedef float Float __attribute__((vector_size(64)));
   typedef int32_t Int __attribute__((vector_size(64)));
+  typedef uint16_t Half __attribute__((vector_size(32)));
 };
 
 template <int W>
@@ -62,6 +65,25 @@ struct Kernels {
     return v;
   }
   static GQA_LANES_INLINE void store(float* dst, const V& v) { std::memcpy(dst, &v, sizeof(v)); }
+
+  // W lanes of a cache row, fp32 or bf16 (its bits: the high half of an fp32, widened in the
+  // register, so a bf16 row is read once, in place, with no fp32 copy written and read back).
+  static GQA_LANES_INLINE V load_row(const float* src) { return load(src); }
+  static GQA_LANES_INLINE V load_row(const uint16_t* src) {
+    typename VectorTypes<W>::Half half;
+    std::memcpy(&half, src, sizeof(half));
+    const IntV bits = __builtin_convertvector(half, IntV) << 16;
+    V v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  }
+  static GQA_LANES_INLINE float row_element(const float* row, int i) { return row[i]; }
+  static GQA_LANES_INLINE float row_element(const uint16_t* row, int i) {
+    const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
 
   // Lane reductions as a tree of register halves (folded through memcpy, which compilers turn
   // into lane extracts): a vector stored and read back lane by lane stalls on store forwarding.
@@ -84,23 +106,25 @@ struct Kernels {
   }
 
   // Two keys at a time: eight independent accumulators, enough to cover the FMA latency.
-  static GQA_LANES_INLINE void score_block(const float* __restrict queries, const float* const* keys, int count,
+  // E: the key rows' element, float or bf16 bits.
+  template <typename E>
+  static GQA_LANES_INLINE void score_block(const float* __restrict queries, const E* const* keys, int count,
                                            int D, float* __restrict scores) {
     const int vector_end = D / W * W;
-    auto finish = [&](const V (&dots)[kRowBlock], const float* __restrict k, int j) GQA_LAMBDA_INLINE {
+    auto finish = [&](const V (&dots)[kRowBlock], const E* __restrict k, int j) GQA_LAMBDA_INLINE {
       for (int r = 0; r < kRowBlock; ++r) {
         float total = sum(dots[r]);
-        for (int t = vector_end; t < D; ++t) total += queries[r * D + t] * k[t];  // D % W tail
+        for (int t = vector_end; t < D; ++t) total += queries[r * D + t] * row_element(k, t);  // D % W tail
         scores[r * kKeyTile + j] = total;
       }
     };
     int j = 0;
     for (; j + 2 <= count; j += 2) {
-      const float* __restrict k0 = keys[j];
-      const float* __restrict k1 = keys[j + 1];
+      const E* __restrict k0 = keys[j];
+      const E* __restrict k1 = keys[j + 1];
       V dots0[kRowBlock] = {}, dots1[kRowBlock] = {};
       for (int d = 0; d < vector_end; d += W) {
-        const V key0 = load(k0 + d), key1 = load(k1 + d);
+        const V key0 = load_row(k0 + d), key1 = load_row(k1 + d);
         for (int r = 0; r < kRowBlock; ++r) {
           const V q = load(queries + r * D + d);
           dots0[r] += q * key0;
@@ -111,10 +135,10 @@ struct Kernels {
       finish(dots1, k1, j + 1);
     }
     if (j < count) {
-      const float* __restrict k = keys[j];
+      const E* __restrict k = keys[j];
       V dots[kRowBlock] = {};
       for (int d = 0; d < vector_end; d += W) {
-        const V key = load(k + d);
+        const V key = load_row(k + d);
         for (int r = 0; r < kRowBlock; ++r) dots[r] += load(queries + r * D + d) * key;
       }
       finish(dots, k, j);
@@ -201,13 +225,13 @@ struct Kernels {
   }
 
   // The wide form of accumulate_block below: columns [d, d + N W) of the four rows.
-  template <int N>
+  template <int N, typename E>
   static GQA_LANES_INLINE void accumulate_chunks(float* __restrict acc, const float* __restrict weights,
-                                                 const float* const* values, int count, int d, int D) {
+                                                 const E* const* values, int count, int d, int D) {
     V tile_sum[N][kRowBlock] = {};
     for (int j = 0; j < count; ++j) {
       V v[N];
-      for (int c = 0; c < N; ++c) v[c] = load(values[j] + d + c * W);
+      for (int c = 0; c < N; ++c) v[c] = load_row(values[j] + d + c * W);
       for (int r = 0; r < kRowBlock; ++r) {
         const float w = weights[r * kKeyTile + j];
         for (int c = 0; c < N; ++c) tile_sum[c][r] += w * v[c];
@@ -223,19 +247,20 @@ struct Kernels {
   // Chunks of D are outermost so the accumulators stay in registers across the keys, two chunks
   // at a time where D allows. The tile's sum is added to acc at the end: a blocked sum, whose
   // fp32 error grows far slower with the context length than that of one running sum.
+  template <typename E>  // the value rows' element, float or bf16 bits
   static GQA_LANES_INLINE void accumulate_block(float* __restrict acc, const float* __restrict weights,
-                                                const float* const* values, int count, int D) {
+                                                const E* const* values, int count, int D) {
     auto add_to_acc = [&](const V& tile_sum, int r, int d) GQA_LAMBDA_INLINE {
       store(acc + r * D + d, load(acc + r * D + d) + tile_sum);
     };
     int d = 0;
     if (D >= kWideMinD)
       for (; d + kWideChunks * W <= D; d += kWideChunks * W)
-        accumulate_chunks<kWideChunks>(acc, weights, values, count, d, D);
+        accumulate_chunks<kWideChunks, E>(acc, weights, values, count, d, D);
     for (; d + 2 * W <= D; d += 2 * W) {
       V low[kRowBlock] = {}, high[kRowBlock] = {};
       for (int j = 0; j < count; ++j) {
-        const V v_low = load(values[j] + d), v_high = load(values[j] + d + W);
+        const V v_low = load_row(values[j] + d), v_high = load_row(values[j] + d + W);
         for (int r = 0; r < kRowBlock; ++r) {
           const float w = weights[r * kKeyTile + j];
           low[r] += w * v_low;
@@ -250,14 +275,14 @@ struct Kernels {
     for (; d + W <= D; d += W) {
       V tile_sum[kRowBlock] = {};
       for (int j = 0; j < count; ++j) {
-        const V v = load(values[j] + d);
+        const V v = load_row(values[j] + d);
         for (int r = 0; r < kRowBlock; ++r) tile_sum[r] += weights[r * kKeyTile + j] * v;
       }
       for (int r = 0; r < kRowBlock; ++r) add_to_acc(tile_sum[r], r, d);
     }
     for (; d < D; ++d)  // D % W tail
       for (int r = 0; r < kRowBlock; ++r)
-        for (int j = 0; j < count; ++j) acc[r * D + d] += weights[r * kKeyTile + j] * values[j][d];
+        for (int j = 0; j < count; ++j) acc[r * D + d] += weights[r * kKeyTile + j] * row_element(values[j], d);
   }
 
   // e^x for x in [-87, 0]: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^7,
@@ -345,12 +370,21 @@ struct Kernels {
                                       int count, int D) {                                                  \
     Kernels<W>::accumulate_block(acc, weights, values, count, D);                                          \
   }                                                                                                        \
+  TARGET void NAME##_score_block_bf16(const float* queries, const uint16_t* const* keys, int count, int D, \
+                                      float* scores) {                                                     \
+    Kernels<W>::score_block(queries, keys, count, D, scores);                                              \
+  }                                                                                                        \
+  TARGET void NAME##_accumulate_block_bf16(float* acc, const float* weights, const uint16_t* const* values, \
+                                           int count, int D) {                                             \
+    Kernels<W>::accumulate_block(acc, weights, values, count, D);                                          \
+  }                                                                                                        \
   TARGET void NAME##_softmax_block(float* scores, int count, const int* visible_begin, const int* visible_end, \
                                    RunningSoftmax* states, float* acc, int D) {                             \
     Kernels<W>::softmax_block(scores, count, visible_begin, visible_end, states, acc, D);                   \
   }                                                                                                        \
-  const LaneKernels NAME##_kernels = {NAME##_score_block, NAME##_score_block_t, NAME##_accumulate_block,   \
-                                      NAME##_softmax_block, #NAME};
+  const LaneKernels NAME##_kernels = {NAME##_score_block,      NAME##_score_block_t,                       \
+                                      NAME##_accumulate_block, NAME##_score_block_bf16,                   \
+                                      NAME##_accumulate_block_bf16, NAME##_softmax_block, #NAME};
 
 GQA_LANE_KERNEL_SET(baseline, , 4)
 

@@ -3,6 +3,8 @@
 // table of them per instruction set, picked once from the CPU's features.
 #pragma once
 
+#include <cstdint>
+
 namespace gqa {
 namespace cpu {
 
@@ -30,6 +32,10 @@ struct LaneKernels {
   // acc_r += sum_j weights[r * kKeyTile + j] * value_j for j < count, for the kRowBlock rows of
   // `acc` (row stride D). The tile is summed on its own, then added.
   void (*accumulate_block)(float* acc, const float* weights, const float* const* values, int count, int D);
+  // score_block and accumulate_block over bf16 cache rows (their raw bits), read in place.
+  void (*score_block_bf16)(const float* queries, const uint16_t* const* keys, int count, int D, float* scores);
+  void (*accumulate_block_bf16)(float* acc, const float* weights, const uint16_t* const* values, int count,
+                                int D);
   // The online softmax's step for the kRowBlock rows of a block over one tile: row r's raw
   // scores scores[r * kKeyTile + j], j < count, become weights e^(score - max) against the row's
   // new running max, where max takes in the scores visible to it, j in [visible_begin[r],
