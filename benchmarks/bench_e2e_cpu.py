@@ -1,7 +1,8 @@
 """End-to-end generation on the CPU: transformers' ``generate()`` with and without gqa-torch.
 
 Model: the Llama-3.2-1B shape of bench_e2e.py (hidden 2048, 32 query / 8 KV heads, head dim 64,
-MLP 8192, vocab 128256), fewer layers (``--layers``, default 4), random weights, fp32.
+MLP 8192, vocab 128256), fewer layers (``--layers``, default 4), random weights, fp32 (or
+``--dtype bfloat16``: every contender's weights and caches in bf16).
 For each prompt length P it runs greedy ``generate()`` of N new tokens, batch 1, with:
 
 - ``hf_dynamic``: transformers' default, SDPA attention and a DynamicCache (what
@@ -12,10 +13,11 @@ For each prompt length P it runs greedy ``generate()`` of N new tokens, batch 1,
 
 Timing: the fastest of ``--repeats`` calls of ``generate()`` with 1 new token (the prefill) and
 with N (prefill + N - 1 decode steps); decode ms/token = (T_N - T_1) / (N - 1). Every contender
-must produce the same greedy tokens as hf_dynamic (fp32), which the table reports.
+must produce the same greedy tokens as hf_dynamic in fp32, which the table reports (in bf16 the
+contenders round differently, so greedy paths may part after some tokens).
 
-Writes benchmarks/results/e2e_cpu.{json,md}; progress goes to stderr.
-    python3 benchmarks/bench_e2e_cpu.py [--layers 4] [--prompts 512 4096] [--new-tokens 32]
+Writes benchmarks/results/e2e_cpu.{json,md} (e2e_cpu_bf16 in bf16); progress goes to stderr.
+    python3 benchmarks/bench_e2e_cpu.py [--layers 4] [--prompts 512 4096] [--new-tokens 32] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -33,13 +35,13 @@ from common import cpu_name, fastest_host_call, progress, write_tables  # noqa: 
 
 
 
-def build_model(layers: int, gqa: bool):
+def build_model(layers: int, gqa: bool, dtype: torch.dtype):
     from transformers import LlamaForCausalLM
 
     config = llama_1b_config(layers)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)  # the same weights for every contender
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(dtype)
     if gqa:
         import gqa_torch.hf
 
@@ -63,7 +65,9 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -71,7 +75,7 @@ def main():
     rows = []
     for name, gqa, static in contenders:
         progress(f"[e2e_cpu] building {name} ({args.layers} layers)")
-        model = build_model(args.layers, gqa)
+        model = build_model(args.layers, gqa, dtype)
         for prompt in args.prompts:
             ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(prompt))
             generate(model, ids, 2, static)  # warm-up
@@ -98,10 +102,11 @@ def main():
 
     meta = dict(cpu=cpu_name(), threads=torch.get_num_threads(),
                 torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
-                model="Llama-3.2-1B shape, random weights, fp32, batch 1, greedy")
+                model=f"Llama-3.2-1B shape, random weights, {args.dtype}, batch 1, greedy")
     cols = ["contender", "prompt", "new_tokens", "prefill_ms", "decode_ms_per_token", "prefill_speedup",
             "decode_speedup", "tokens_agreeing"]
-    print(write_tables("e2e_cpu", meta, rows, cols, "End-to-end generate() on the CPU"))
+    name = "e2e_cpu" if dtype == torch.float32 else "e2e_cpu_bf16"
+    print(write_tables(name, meta, rows, cols, f"End-to-end generate() on the CPU ({args.dtype})"))
 
 
 if __name__ == "__main__":

@@ -166,7 +166,8 @@ def test_idle_blocks_are_freed():
 
 def test_blocks_freed_and_taken_on_other_threads():
     """Threads allocate and free large outputs at once; each result equals the one-thread result
-    bit for bit, and every block comes back to the cache."""
+    (to fp32 rounding: a thread of its own may split the keys for another thread count), and
+    every block comes back to the cache."""
     case = decode_case()
     expected = case.clone().run()
     errors = []
@@ -175,7 +176,7 @@ def test_blocks_freed_and_taken_on_other_threads():
         try:
             for _ in range(4):
                 got = case.clone().run()
-                if not all(torch.equal(a, b) for a, b in zip(got, expected)):
+                if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, expected)):
                     errors.append("a result differs")
         except Exception as exc:  # noqa: BLE001  (reported below, with the thread's error)
             errors.append(repr(exc))
