@@ -38,8 +38,10 @@ Layers patched by :func:`enable` fall back to the generic route when they are ca
 cache that is not a :class:`GQACache` (e.g. a plain ``model(input_ids)``, which makes a
 ``DynamicCache``) or with no cache.
 
-Limits: causal decoders only; no dropout; no packed (padding-free) sequences; RoPE must have
-static frequencies (not ``dynamic``/``longrope``); masks are expected in HF's left-padding form
+Limits: causal decoders only; no dropout; no packed (padding-free) sequences; the fused route
+keeps its RoPE tables and ``GQACache`` on one device, so a model split across devices
+(``device_map``) must use the generic route; RoPE must have static frequencies (not
+``dynamic``/``longrope``); masks are expected in HF's left-padding form
 (padding before the tokens of a row). ``GQACache`` has a fixed batch: beam search works
 (``reorder_cache``), batch expansion/selection of a filled cache do not. Assisted decoding
 (``assistant_model``, ``prompt_lookup_num_tokens``) works: ``crop`` removes columns that were real
