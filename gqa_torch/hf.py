@@ -39,8 +39,8 @@ cache that is not a :class:`GQACache` (e.g. a plain ``model(input_ids)``, which 
 ``DynamicCache``) or with no cache.
 
 Limits: causal decoders only; no dropout; no packed (padding-free) sequences; the fused route
-keeps its RoPE tables and ``GQACache`` on one device, so a model split across devices
-(``device_map``) must use the generic route; RoPE must have static frequencies (not
+keeps its RoPE tables and ``GQACache`` on one device, so :func:`enable` leaves a model split
+across devices (``device_map``) on the generic route; RoPE must have static frequencies (not
 ``dynamic``/``longrope``); masks are expected in HF's left-padding form
 (padding before the tokens of a row). ``GQACache`` has a fixed batch: beam search works
 (``reorder_cache``), batch expansion/selection of a filled cache do not. Assisted decoding
@@ -644,8 +644,10 @@ def enable(model: nn.Module, *, fuse_qkv: bool = True, max_positions: Optional[i
     layers = [(module, *_layer_rope(module, config, rope)) for module in model.modules()
               if type(module).__name__ in SUPPORTED_ATTENTION_CLASSES
               and getattr(module, "is_causal", True) is not False]
-    # All or none: a GQACache can only serve a model whose every attention layer writes it.
-    if len(rope) and layers and all(patchable for _, patchable, _ in layers):
+    # All or none: a GQACache can only serve a model whose every attention layer writes it, and
+    # it lives on one device (a model split by device_map stays on the generic route).
+    devices = {p.device for module, _, _ in layers for p in module.parameters()}
+    if len(rope) and layers and all(patchable for _, patchable, _ in layers) and len(devices) == 1:
         model.add_module("gqa_rope", rope)
         for module, _, table in layers:
             original = module.forward

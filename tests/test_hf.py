@@ -313,6 +313,16 @@ def test_a_layer_type_with_dynamic_rope_keeps_the_whole_model_on_the_generic_rou
     assert spy.calls["generic"] > 0 and spy.calls["fused"] == 0
 
 
+def test_a_model_split_across_devices_stays_on_the_generic_route():
+    """enable() patches no layer when the attention layers' weights sit on several devices (a
+    device_map split; here one layer on the meta device), since a GQACache lives on one."""
+    model = build("llama")
+    model.model.layers[2].self_attn.to("meta")
+    ghf.enable(model)
+    assert model._gqa_state.patched == []
+    assert "gqa_rope" not in model._modules
+
+
 def test_gqacache_crop_removes_real_columns_only():
     """Cropping the last columns equals never having fed them (the logits of feeding them again
     are unchanged); columns where a left-padded row had padding cannot be cropped."""
