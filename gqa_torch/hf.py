@@ -3,15 +3,16 @@
 Two routes, both honouring left-padded batched ``generate()`` (HF's default for decoders):
 
 **Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Mixtral,
-Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3 and gpt-oss
-families are patched so that RoPE, the KV-cache append and attention run in one
+Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, Starcoder2,
+Exaone4 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
 ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache`` holding a
 static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled: sliding
 windows (one for every layer, alternating or per-layer), Gemma2's ``attn_logit_softcapping``,
 the layer's own scale (``query_pre_attn_scalar``, Granite's ``attention_multiplier``), q/k
 RMSNorm before RoPE per head (Qwen3, Gemma3) or over the whole projection (OLMo2), QKV biases
 (Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE (Phi3), one RoPE table a layer
-type (Gemma3's local and global bases) and layers without RoPE (SmolLM3). The Q, K and V
+type (Gemma3's local and global bases) and layers without RoPE (SmolLM3, Exaone4's full
+layers). The Q, K and V
 projections are fused into one GEMM (no extra memory: the three weights become views of the
 fused one); Phi3's is one already.
 
@@ -28,8 +29,7 @@ are meaningless, exactly as in HF.
 ``AttentionInterface`` and ``AttentionMaskInterface`` when this module is imported, or by
 :func:`register`). Any decoder whose attention calls the interface then runs its attention
 through the in-place operator, with HF doing RoPE and owning the cache (dynamic, static or
-sliding); the tests run it on Cohere2, GLM4, Starcoder2 and Exaone4 besides the patched
-families. The mask function hands the attention a small int8 description of every key slot
+sliding); the tests run it on Cohere2 and GLM4 besides the patched families. The mask function hands the attention a small int8 description of every key slot
 (empty / past / new / new padding); the attention gathers each row's valid keys to the front of
 a scratch copy and calls the operator with per-row lengths. It is correct for any HF cache, but
 it copies the visible K/V each call: the fused route is the fast one.
@@ -83,7 +83,11 @@ ATTN_IMPLEMENTATION = "gqa"
 SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
                                "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "Gemma2Attention",
                                "Gemma3Attention", "GptOssAttention", "Phi3Attention", "GraniteAttention",
-                               "Olmo2Attention", "SmolLM3Attention")
+                               "Olmo2Attention", "SmolLM3Attention", "Starcoder2Attention", "Exaone4Attention")
+
+# The default of gqa_attention_forward's sliding_window: the layer did not pass one (None, passed,
+# means no window).
+_NOT_PASSED = object()
 
 # Key-slot states written by gqa_mask and read by the attention functions.
 EMPTY, PAST, NEW, NEW_PAD = 0, 1, 2, 3
@@ -174,7 +178,7 @@ def _gather_rows(x: Tensor, order: Tensor) -> Tensor:
 
 def gqa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                           attention_mask: Optional[Tensor], dropout: float = 0.0,
-                          scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                          scaling: Optional[float] = None, sliding_window: Any = _NOT_PASSED,
                           softcap: Optional[float] = None, s_aux: Optional[Tensor] = None,
                           is_causal: Optional[bool] = None, **kwargs) -> Tuple[Tensor, None]:
     """transformers attention function of ``attn_implementation="gqa"`` (the generic route).
@@ -224,7 +228,7 @@ def gqa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     v_new = value_cache.gather(2, slot_index).transpose(1, 2).reshape(B, S, Hkv * D)
     seqlens_k = (past + (S - 1)).to(torch.int32)
     sink = None if s_aux is None else s_aux.float().reshape(Hq).contiguous()
-    if sliding_window is None:  # Qwen2-MoE windows its sliding layers through the mask alone
+    if sliding_window is _NOT_PASSED:  # Qwen2-MoE windows its sliding layers through the mask alone
         sliding_window = getattr(module, "sliding_window", None)
     out = group_query_attention_(
         q, k_new, v_new, key_cache, value_cache, seqlens_k, None, None, None, sink,
@@ -433,8 +437,10 @@ class _FusedAttention:
             window = module.sliding_window
         elif layer_types is not None:  # Qwen2-MoE sets the attribute on its sliding layers only
             window = config.sliding_window if layer_types[module.layer_idx] == "sliding_attention" else None
-        else:  # Mistral, Mixtral, Phi3: one window for every layer
+        else:  # Mistral, Mixtral, Phi3, Starcoder2: one window for every layer
             window = getattr(config, "sliding_window", None)
+        if getattr(module, "is_sliding", None) is False:  # Exaone4 keeps the window on its full layers too
+            window = None
         self.window = int(window) if window else -1
         self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)
         self.qk_norm = getattr(module, "q_norm", None) is not None and getattr(module, "k_norm", None) is not None
@@ -595,6 +601,9 @@ def _layer_rope(module: nn.Module, config: Any, tables: nn.ModuleDict):
     """``(patchable, table)`` of an attention layer: its RoPE table (None for a layer without
     RoPE), and whether the fused route can run it at all."""
     if not getattr(module, "use_rope", True):  # SmolLM3's NoPE layers (use_rope is 0 or 1 there)
+        return True, None
+    if (type(module).__name__ == "Exaone4Attention" and module.sliding_window is not None
+            and not module.is_sliding):  # Exaone4's full layers between sliding ones have no RoPE
         return True, None
     key = _ONE_ROPE
     if _ONE_ROPE not in tables:

@@ -1,8 +1,8 @@
 """Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
 
 Every family that enable() patches (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
-Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, gpt-oss) is built from a config, with the features
-that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
+Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, Starcoder2, Exaone4, gpt-oss) is built from a
+config, with the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
 softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks; the comments
 in FAMILIES say the rest). The reference is the same model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
 operator checks that the route under test really ran (no silent fallback).
@@ -58,6 +58,11 @@ FAMILIES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Biases, LayerNorm, one window for every layer.
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=4)),
+    # Per-head q/k norms; sliding layers with RoPE around a full layer without it.
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # Sinks, alternating sliding layers, QKV biases, YaRN RoPE (its attention scaling) and MoE.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
@@ -361,14 +366,12 @@ def test_generic_generate_matches_hf(family, monkeypatch):
 
 
 # Decoders that enable() does not patch, on the generic route alone: what their attention does
-# differently (Cohere2's interleaved RoPE and sliding layers, GLM4's partial interleaved RoPE,
-# Starcoder2's window, Exaone4's mixed layers) stays HF's.
+# differently (Cohere2's interleaved RoPE and sliding layers, GLM4's partial interleaved RoPE)
+# stays HF's.
 OTHER_DECODERS = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
         sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict()),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=4)),
-    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=4)),
 }
 
 
