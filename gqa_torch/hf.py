@@ -4,15 +4,15 @@ Two routes, both honouring left-padded batched ``generate()`` (HF's default for 
 
 **Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Mixtral,
 Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, Starcoder2,
-Exaone4 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
+Exaone4, Cohere2, GLM4 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
 ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache`` holding a
 static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled: sliding
 windows (one for every layer, alternating or per-layer), Gemma2's ``attn_logit_softcapping``,
 the layer's own scale (``query_pre_attn_scalar``, Granite's ``attention_multiplier``), q/k
 RMSNorm before RoPE per head (Qwen3, Gemma3) or over the whole projection (OLMo2), QKV biases
-(Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE (Phi3), one RoPE table a layer
-type (Gemma3's local and global bases) and layers without RoPE (SmolLM3, Exaone4's full
-layers). The Q, K and V
+(Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE (Phi3), interleaved RoPE
+(Cohere2; GLM4's also partial), one RoPE table a layer type (Gemma3's local and global bases)
+and layers without RoPE (SmolLM3, and the full layers of Exaone4 and Cohere2). The Q, K and V
 projections are fused into one GEMM (no extra memory: the three weights become views of the
 fused one); Phi3's is one already.
 
@@ -29,7 +29,7 @@ are meaningless, exactly as in HF.
 ``AttentionInterface`` and ``AttentionMaskInterface`` when this module is imported, or by
 :func:`register`). Any decoder whose attention calls the interface then runs its attention
 through the in-place operator, with HF doing RoPE and owning the cache (dynamic, static or
-sliding); the tests run it on Cohere2 and GLM4 besides the patched families. The mask function hands the attention a small int8 description of every key slot
+sliding); the tests run it on every patched family. The mask function hands the attention a small int8 description of every key slot
 (empty / past / new / new padding); the attention gathers each row's valid keys to the front of
 a scratch copy and calls the operator with per-row lengths. It is correct for any HF cache, but
 it copies the visible K/V each call: the fused route is the fast one.
@@ -83,7 +83,11 @@ ATTN_IMPLEMENTATION = "gqa"
 SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
                                "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "Gemma2Attention",
                                "Gemma3Attention", "GptOssAttention", "Phi3Attention", "GraniteAttention",
-                               "Olmo2Attention", "SmolLM3Attention", "Starcoder2Attention", "Exaone4Attention")
+                               "Olmo2Attention", "SmolLM3Attention", "Starcoder2Attention", "Exaone4Attention",
+                               "Cohere2Attention", "Glm4Attention")
+
+# Attention classes whose RoPE rotates pairs (2i, 2i + 1) instead of (i, i + R/2).
+_INTERLEAVED_ROPE_CLASSES = ("Cohere2Attention", "Glm4Attention")
 
 # The default of gqa_attention_forward's sliding_window: the layer did not pass one (None, passed,
 # means no window).
@@ -448,6 +452,7 @@ class _FusedAttention:
         self.qk_norm_whole = self.qk_norm and _norm_width(module.q_norm) == self.num_heads * self.head_dim
         # gpt-oss: one learned sink logit per query head, read each call (the weights may be reloaded).
         self.has_sink = isinstance(getattr(module, "sinks", None), Tensor)
+        self.rotary_interleaved = type(module).__name__ in _INTERLEAVED_ROPE_CLASSES
         self.packed_proj = isinstance(getattr(module, "qkv_proj", None), nn.Linear)  # Phi3: one QKV Linear
         self.fused = not self.packed_proj and fuse_qkv and _fuse_projections(module)
 
@@ -553,7 +558,8 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
     out = group_query_attention_(
         q, k, v, key_cache, value_cache, seqlens_k, cos, sin, position_ids, sink,
         num_heads=fused.num_heads, kv_num_heads=fused.kv_heads, scale=fused.scale, do_rotary=rope is not None,
-        local_window_size=fused.window, softcap=fused.softcap, kv_layout=kv.kv_layout)
+        rotary_interleaved=fused.rotary_interleaved, local_window_size=fused.window, softcap=fused.softcap,
+        kv_layout=kv.kv_layout)
     kv.advance(layer, new_tokens)
     cache.seen[layer].add_(S)
     if layer == 0:
@@ -604,6 +610,8 @@ def _layer_rope(module: nn.Module, config: Any, tables: nn.ModuleDict):
         return True, None
     if (type(module).__name__ == "Exaone4Attention" and module.sliding_window is not None
             and not module.is_sliding):  # Exaone4's full layers between sliding ones have no RoPE
+        return True, None
+    if type(module).__name__ == "Cohere2Attention" and module.sliding_window is None:  # nor Cohere2's
         return True, None
     key = _ONE_ROPE
     if _ONE_ROPE not in tables:

@@ -1,8 +1,8 @@
 """Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
 
 Every family that enable() patches (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
-Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, Starcoder2, Exaone4, gpt-oss) is built from a
-config, with the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
+Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, Starcoder2, Exaone4, Cohere2, GLM4, gpt-oss) is
+built from a config, with the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
 softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks; the comments
 in FAMILIES say the rest). The reference is the same model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
 operator checks that the route under test really ran (no silent fallback).
@@ -63,6 +63,11 @@ FAMILIES = {
     # Per-head q/k norms; sliding layers with RoPE around a full layer without it.
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
         sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Interleaved RoPE on the sliding layers only; LayerNorm, logit scale.
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Partial interleaved RoPE (half the head), QKV biases.
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(attention_bias=True)),
     # Sinks, alternating sliding layers, QKV biases, YaRN RoPE (its attention scaling) and MoE.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
@@ -363,34 +368,6 @@ def test_generic_generate_matches_hf(family, monkeypatch):
     got = generate(ours, ids, mask)
     assert spy.calls["generic"] == 3 * 8 and spy.calls["fused"] == 0
     assert torch.equal(got, expected)
-
-
-# Decoders that enable() does not patch, on the generic route alone: what their attention does
-# differently (Cohere2's interleaved RoPE and sliding layers, GLM4's partial interleaved RoPE)
-# stays HF's.
-OTHER_DECODERS = {
-    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
-        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict()),
-}
-
-
-@pytest.mark.parametrize("family", list(OTHER_DECODERS))
-def test_generic_route_on_other_decoders(family, monkeypatch):
-    config_name, model_name, extra = OTHER_DECODERS[family]
-    if not hasattr(transformers, config_name):
-        pytest.skip(f"this transformers ({transformers.__version__}) has no {config_name}")
-    torch.manual_seed(0)
-    ref = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**COMMON, **extra})).eval()
-    ref.config._attn_implementation = "eager"
-    ours = copy.deepcopy(ref)
-    ours.set_attn_implementation("gqa")
-    ids, mask = left_padded([10, 3, 6])
-    expected = generate(ref, ids, mask)
-    spy = Spy(monkeypatch)
-    got = generate(ours, ids, mask)
-    assert spy.calls["generic"] == 3 * 8 and spy.calls["fused"] == 0, spy.calls
-    assert torch.equal(got, expected), f"\n{got[:, ids.shape[1]:]}\n{expected[:, ids.shape[1]:]}"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
