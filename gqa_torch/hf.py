@@ -431,7 +431,7 @@ class _FusedAttention:
                  fuse_qkv: bool) -> None:
         self.original_forward = original_forward
         self.cache_arg = _cache_arg_name(original_forward)
-        self.rope = rope  # None: a layer without RoPE (SmolLM3's NoPE layers)
+        self.rope = rope  # None: a layer without RoPE (see _layer_rope)
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = module.head_dim
@@ -477,6 +477,7 @@ class _FusedAttention:
 
 
 def _norm_width(norm: nn.Module) -> int:
+    """The number of features an RMSNorm normalises (its weight's size; -1 without a weight)."""
     weight = getattr(norm, "weight", None)
     return weight.numel() if isinstance(weight, Tensor) else -1
 
