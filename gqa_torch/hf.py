@@ -2,19 +2,21 @@
 
 Two routes, both honouring left-padded batched ``generate()`` (HF's default for decoders):
 
-**Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Mixtral,
-Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, Starcoder2,
-Exaone4, Cohere2, GLM4 and gpt-oss families are patched so that RoPE, the KV-cache append and attention run in one
-``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache`` holding a
-static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled: sliding
-windows (one for every layer, alternating or per-layer), Gemma2's ``attn_logit_softcapping``,
-the layer's own scale (``query_pre_attn_scalar``, Granite's ``attention_multiplier``), q/k
-RMSNorm before RoPE per head (Qwen3, Gemma3) or over the whole projection (OLMo2), QKV biases
-(Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE (Phi3), interleaved RoPE
-(Cohere2; GLM4's also partial), one RoPE table a layer type (Gemma3's local and global bases)
-and layers without RoPE (SmolLM3, and the full layers of Exaone4 and Cohere2). The Q, K and V
-projections are fused into one GEMM (no extra memory: the three weights become views of the
-fused one); Phi3's is one already.
+**Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral,
+Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, Granite,
+Granite-MoE, OLMo2, OLMo3, SmolLM3, Starcoder2, Exaone4, Cohere2, GLM4, GLM4-MoE, StableLM,
+Seed-OSS, Apertus, Arcee, Helium, ERNIE 4.5 and gpt-oss families
+(:data:`SUPPORTED_ATTENTION_CLASSES`) are patched so that RoPE, the KV-cache append and attention
+run in one ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache``
+holding a static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself.
+Handled: sliding windows (one for every layer, alternating or per-layer), Gemma2's
+``attn_logit_softcapping``, the layer's own scale (``query_pre_attn_scalar``, Granite's
+``attention_multiplier``), q/k RMSNorm before RoPE per head (Qwen3, Gemma3) or over the whole
+projection (OLMo2), QKV biases (Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE
+(Phi3, StableLM), interleaved RoPE (Cohere2, Helium, ERNIE 4.5; GLM4's also partial), one RoPE
+table a layer type (Gemma3's local and global bases) and layers without RoPE (SmolLM3, and the
+full layers of Exaone4 and Cohere2). The Q, K and V projections are fused into one GEMM (no
+extra memory: the three weights become views of the fused one); Phi3's is one already.
 
 Left padding is turned into per-row lengths: each row is *compacted* so its real tokens start
 at cache slot 0. In a call with ``S`` new tokens, each row's real tokens (the ones the 2D
@@ -80,14 +82,16 @@ __all__ = [
 ATTN_IMPLEMENTATION = "gqa"
 
 #: Attention classes that :func:`enable` patches to the fused route.
-SUPPORTED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
-                               "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "Gemma2Attention",
-                               "Gemma3Attention", "GptOssAttention", "Phi3Attention", "GraniteAttention",
-                               "Olmo2Attention", "SmolLM3Attention", "Starcoder2Attention", "Exaone4Attention",
-                               "Cohere2Attention", "Glm4Attention")
+SUPPORTED_ATTENTION_CLASSES = (
+    "LlamaAttention", "MistralAttention", "MinistralAttention", "MixtralAttention", "Qwen2Attention",
+    "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "Gemma2Attention", "Gemma3Attention",
+    "GptOssAttention", "Phi3Attention", "GraniteAttention", "GraniteMoeAttention", "Olmo2Attention",
+    "Olmo3Attention", "SmolLM3Attention", "Starcoder2Attention", "Exaone4Attention", "Cohere2Attention",
+    "Glm4Attention", "Glm4MoeAttention", "StableLmAttention", "SeedOssAttention", "ApertusAttention",
+    "ArceeAttention", "HeliumAttention", "Ernie4_5Attention")
 
 # Attention classes whose RoPE rotates pairs (2i, 2i + 1) instead of (i, i + R/2).
-_INTERLEAVED_ROPE_CLASSES = ("Cohere2Attention", "Glm4Attention")
+_INTERLEAVED_ROPE_CLASSES = ("Cohere2Attention", "Glm4Attention", "HeliumAttention", "Ernie4_5Attention")
 
 # The default of gqa_attention_forward's sliding_window: the layer did not pass one (None, passed,
 # means no window).

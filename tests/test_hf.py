@@ -1,8 +1,7 @@
 """Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
 
-Every family that enable() patches (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
-Gemma2, Gemma3, Phi3, Granite, OLMo2, SmolLM3, Starcoder2, Exaone4, Cohere2, GLM4, gpt-oss) is
-built from a config, with the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
+Every family that enable() patches (SUPPORTED_ATTENTION_CLASSES) is built from a config, with
+the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
 softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks; the comments
 in FAMILIES say the rest). The reference is the same model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
 operator checks that the route under test really ran (no silent fallback).
@@ -68,6 +67,25 @@ FAMILIES = {
         sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # Partial interleaved RoPE (half the head), QKV biases.
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(attention_bias=True)),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Whole-projection q/k norms and sliding layers.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "granite_moe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        attention_multiplier=0.2, num_local_experts=4, num_experts_per_tok=2)),
+    # Per-head q/k norms, partial RoPE, MoE after a dense layer.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        use_qk_norm=True)),
+    # A quarter of the head rotated, LayerNorm.
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True)),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict()),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", dict()),
+    # Interleaved RoPE over the whole head.
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict()),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict()),
     # Sinks, alternating sliding layers, QKV biases, YaRN RoPE (its attention scaling) and MoE.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
@@ -79,6 +97,8 @@ FAMILIES = {
 
 def build(family: str, **overrides):
     config_name, model_name, extra = FAMILIES[family]
+    if not hasattr(transformers, config_name):  # families newer than this transformers
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
     config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
     model = getattr(transformers, model_name)(config).eval()
     model.config._attn_implementation = "eager"
@@ -87,6 +107,16 @@ def build(family: str, **overrides):
             if isinstance(getattr(module, "sinks", None), torch.Tensor):
                 module.sinks.normal_(0.0, 2.0)
     return model
+
+
+def test_every_supported_class_has_a_family():
+    """FAMILIES builds a model of every attention class that enable() patches (so every class
+    runs the tests below)."""
+    missing = [config for config, _, _ in FAMILIES.values() if not hasattr(transformers, config)]
+    if missing:
+        pytest.skip(f"transformers {transformers.__version__} has no {', '.join(missing)}")
+    built = {type(m).__name__ for family in FAMILIES for m in build(family).modules()}
+    assert set(ghf.SUPPORTED_ATTENTION_CLASSES) <= built, set(ghf.SUPPORTED_ATTENTION_CLASSES) - built
 
 
 def left_padded(batch_lengths, vocab=128, width=None):
@@ -431,7 +461,7 @@ def _cuda_model(family, dtype, attn="eager", **overrides):
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3", "cohere2", "gpt_oss"])
 def test_gpu_bf16_fused_close_to_hf(family):
     ref = _cuda_model(family, torch.bfloat16, attn="eager")
     ours = ghf.enable(copy.deepcopy(ref))
