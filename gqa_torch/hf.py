@@ -31,10 +31,11 @@ are meaningless, exactly as in HF.
 ``AttentionInterface`` and ``AttentionMaskInterface`` when this module is imported, or by
 :func:`register`). Any decoder whose attention calls the interface then runs its attention
 through the in-place operator, with HF doing RoPE and owning the cache (dynamic, static or
-sliding); the tests run it on every patched family. The mask function hands the attention a small int8 description of every key slot
-(empty / past / new / new padding); the attention gathers each row's valid keys to the front of
-a scratch copy and calls the operator with per-row lengths. It is correct for any HF cache, but
-it copies the visible K/V each call: the fused route is the fast one.
+sliding); the tests run it on every patched family. The mask function hands the attention a
+small int8 description of every key slot (empty / past / new / new padding); the attention
+gathers each row's valid keys to the front of a scratch copy and calls the operator with per-row
+lengths. It is correct for any HF cache, but it copies the visible K/V each call: the fused route
+is the fast one.
 
 Layers patched by :func:`enable` fall back to the generic route when they are called with a
 cache that is not a :class:`GQACache` (e.g. a plain ``model(input_ids)``, which makes a

@@ -1,10 +1,11 @@
 """Hugging Face transformers integration (gqa_torch.hf), on tiny randomly initialised models.
 
 Every family that enable() patches (SUPPORTED_ATTENTION_CLASSES) is built from a config, with
-the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens, Gemma2's
-softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks; the comments
-in FAMILIES say the rest). The reference is the same model on HF's eager attention. Batches are left-padded, as generate() wants them. A spy on the
-operator checks that the route under test really ran (no silent fallback).
+the features that matter switched on and small enough to bind (sliding windows of 4-5 tokens,
+Gemma2's softcap 2.0, Qwen2's biases and sliding layers, Qwen3's q/k norms, gpt-oss's sinks; the
+comments in FAMILIES say the rest). The reference is the same model on HF's eager attention.
+Batches are left-padded, as generate() wants them. A spy on the operator checks that the route
+under test really ran (no silent fallback).
 """
 from __future__ import annotations
 
