@@ -56,10 +56,10 @@ if list(_C.error_flag_messages()) != FLAG_MESSAGES:
 
 if os.environ.get("GQA_SYNC_ERRORS") == "1":
     set_synchronous_errors(True)
-# The CPU backend's instruction set, pinned for a whole process (tests of the narrower sets):
-# "baseline", "avx2" or "avx512"; unset or "auto" picks the widest this CPU has.
 # The CPU output cache's limit in MB (gqa_torch.memory); 0 disables it.
 _configure_cpu_output_cache()
+# The CPU backend's instruction set, pinned for a whole process (tests of the narrower sets):
+# "baseline", "avx2" or "avx512"; unset or "auto" picks the widest this CPU has.
 if os.environ.get("GQA_CPU_KERNELS"):
     _C._set_cpu_kernels(os.environ["GQA_CPU_KERNELS"])
 
