@@ -2,21 +2,21 @@
 
 Two routes, both honouring left-padded batched ``generate()`` (HF's default for decoders):
 
-**Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral,
-Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, Granite,
+**Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Ministral,
+Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi (1, 1.5, 2), Phi3, Granite,
 Granite-MoE, OLMo2, OLMo3, SmolLM3, Starcoder2, Exaone4, Cohere2, GLM4, GLM4-MoE, StableLM,
 Seed-OSS, Apertus, Arcee, Helium, ERNIE 4.5 and gpt-oss families
 (:data:`SUPPORTED_ATTENTION_CLASSES`) are patched so that RoPE, the KV-cache append and attention
 run in one ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache``
-holding a static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself.
-Handled: sliding windows (one for every layer, alternating or per-layer), Gemma2's
+holding a static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled:
+sliding windows (one for every layer, alternating or per-layer), Gemma2's
 ``attn_logit_softcapping``, the layer's own scale (``query_pre_attn_scalar``, Granite's
-``attention_multiplier``), q/k RMSNorm before RoPE per head (Qwen3, Gemma3) or over the whole
-projection (OLMo2), QKV biases (Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE
-(Phi3, StableLM), interleaved RoPE (Cohere2, Helium, ERNIE 4.5; GLM4's also partial), one RoPE
-table a layer type (Gemma3's local and global bases) and layers without RoPE (SmolLM3, and the
-full layers of Exaone4 and Cohere2). The Q, K and V projections are fused into one GEMM (no
-extra memory: the three weights become views of the fused one); Phi3's is one already.
+``attention_multiplier``), q/k RMSNorm before RoPE per head (Qwen3, Gemma3; Phi's LayerNorm) or over
+the whole projection (OLMo2), QKV biases (Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial
+RoPE (Phi, Phi3, StableLM), interleaved RoPE (Cohere2, Helium, ERNIE 4.5; GLM4's also partial), one
+RoPE table a layer type (Gemma3's local and global bases) and layers without RoPE (SmolLM3, and the
+full layers of Exaone4 and Cohere2). The Q, K and V projections are fused into one GEMM (no extra
+memory: the three weights become views of the fused one); Phi3's is one already.
 
 Left padding is turned into per-row lengths: each row is *compacted* so its real tokens start
 at cache slot 0. In a call with ``S`` new tokens, each row's real tokens (the ones the 2D
@@ -89,7 +89,7 @@ SUPPORTED_ATTENTION_CLASSES = (
     "GptOssAttention", "Phi3Attention", "GraniteAttention", "GraniteMoeAttention", "Olmo2Attention",
     "Olmo3Attention", "SmolLM3Attention", "Starcoder2Attention", "Exaone4Attention", "Cohere2Attention",
     "Glm4Attention", "Glm4MoeAttention", "StableLmAttention", "SeedOssAttention", "ApertusAttention",
-    "ArceeAttention", "HeliumAttention", "Ernie4_5Attention")
+    "ArceeAttention", "HeliumAttention", "Ernie4_5Attention", "PhiAttention")
 
 # Attention classes whose RoPE rotates pairs (2i, 2i + 1) instead of (i, i + R/2).
 _INTERLEAVED_ROPE_CLASSES = ("Cohere2Attention", "Glm4Attention", "HeliumAttention", "Ernie4_5Attention")
@@ -452,9 +452,16 @@ class _FusedAttention:
             window = None
         self.window = int(window) if window else -1
         self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)
-        self.qk_norm = getattr(module, "q_norm", None) is not None and getattr(module, "k_norm", None) is not None
+        # Submodules are looked up by name at each call, so that one replaced after enable() (a
+        # quantized or adapter-wrapped projection) is the one called. Phi (1, 1.5, 2) names its
+        # per-head LayerNorms q/k_layernorm (present when qk_layernorm is set) and its output
+        # projection dense; the other families q/k_norm and o_proj.
+        norms = ("q_norm", "k_norm") if hasattr(module, "q_norm") else ("q_layernorm", "k_layernorm")
+        self.qk_norm = all(getattr(module, name, None) is not None for name in norms)
+        self.q_norm_name, self.k_norm_name = norms
         # OLMo2 normalises the whole projection; Qwen3 and Gemma3 each head.
-        self.qk_norm_whole = self.qk_norm and _norm_width(module.q_norm) == self.num_heads * self.head_dim
+        self.qk_norm_whole = self.qk_norm and _norm_width(getattr(module, norms[0])) == self.num_heads * self.head_dim
+        self.out_proj_name = "o_proj" if hasattr(module, "o_proj") else "dense"
         # gpt-oss: one learned sink logit per query head, read each call (the weights may be reloaded).
         self.has_sink = isinstance(getattr(module, "sinks", None), Tensor)
         self.rotary_interleaved = type(module).__name__ in _INTERLEAVED_ROPE_CLASSES
@@ -473,11 +480,13 @@ class _FusedAttention:
             q, k, v = packed.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         else:
             q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+        if not self.qk_norm:
+            return q, k, v
+        q_norm, k_norm = getattr(module, self.q_norm_name), getattr(module, self.k_norm_name)
         if self.qk_norm_whole:
-            q, k = module.q_norm(q), module.k_norm(k)
-        elif self.qk_norm:
-            q = module.q_norm(q.reshape(B, S, Hq, D)).reshape(B, S, Hq * D)
-            k = module.k_norm(k.reshape(B, S, Hkv, D)).reshape(B, S, Hkv * D)
+            return q_norm(q), k_norm(k), v
+        q = q_norm(q.reshape(B, S, Hq, D)).reshape(B, S, Hq * D)
+        k = k_norm(k.reshape(B, S, Hkv, D)).reshape(B, S, Hkv * D)
         return q, k, v
 
 
@@ -572,7 +581,7 @@ def _fused_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=N
         cache._note_columns(S, new_tokens)
     if order is not None:
         out = _gather_rows(out, torch.argsort(order, dim=-1))
-    return self.o_proj(out), None
+    return getattr(self, fused.out_proj_name)(out), None
 
 
 class _EnableState:

@@ -81,6 +81,8 @@ FAMILIES = {
         use_qk_norm=True)),
     # A quarter of the head rotated, LayerNorm.
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
+    # Phi-2: MHA with biases, partial RoPE, per-head LayerNorms on q/k, output projection "dense".
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, partial_rotary_factor=0.5, qk_layernorm=True)),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True)),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict()),
     "arcee": ("ArceeConfig", "ArceeForCausalLM", dict()),
@@ -462,7 +464,7 @@ def _cuda_model(family, dtype, attn="eager", **overrides):
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3", "cohere2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3", "phi", "cohere2", "gpt_oss"])
 def test_gpu_bf16_fused_close_to_hf(family):
     ref = _cuda_model(family, torch.bfloat16, attn="eager")
     ours = ghf.enable(copy.deepcopy(ref))
