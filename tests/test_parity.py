@@ -478,9 +478,48 @@ def test_cpu_kernel_sets_match_the_reference(kernel_set):
                       past_lengths=[60], rotary="interleaved", rotary_dim=16, softcap=1.0, dtype=torch.float16),
             make_case("functional", batch=1, seq=33, num_heads=2, kv_num_heads=1, head_dim=256, capacity=40,
                       past_lengths=[5], sink=True, scale=0.1),
+            # fp16 decode: the x86 sets' in-register widening, with D % 8 and D % 16 tails.
+            make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=36, capacity=300,
+                      past_lengths=[250, 97], rotary="half", window=100, dtype=torch.float16),
+            make_case("functional", batch=1, seq=1, num_heads=4, kv_num_heads=1, head_dim=128, capacity=2100,
+                      past_lengths=[2050], softcap=3.0, sink=True, dtype=torch.float16),
         ]
         for case in cases:
             run_and_check(case)
+    finally:
+        gqa_torch._C._set_cpu_kernels(PINNED_CPU_KERNELS)
+
+
+@pytest.mark.parametrize("kernel_set", ["baseline", "avx2", "avx512"])
+def test_cpu_fp16_decode_reads_every_fp16_value_exactly(kernel_set):
+    """fp16 cache rows widened in registers (vcvtph2ps in the x86 sets, the scalar conversion in
+    the head size's tail) give every fp16 value exactly: subnormals, the smallest normal, the
+    largest finite values. A one-hot query on one key makes the output that key's V row, so any
+    element converted wrongly shows; head size 40 has a tail of 8 past 16 lanes, which gets the
+    special values too. (-0 comes out +0, as the sum that starts at +0 makes it.)"""
+    gqa_torch._C._set_cpu_kernels(kernel_set)
+    try:
+        if gqa_torch._C._cpu_kernels() != kernel_set:
+            pytest.skip(f"this CPU (or build) has no {kernel_set} kernels; auto runs {gqa_torch._C._cpu_kernels()}")
+        D, length = 40, 130
+        specials = torch.tensor([2.0 ** -24, -(2.0 ** -24), 1023 * 2.0 ** -24, 2.0 ** -14, 65504.0, -65504.0,
+                                 -0.0, 0.0], dtype=torch.float16)
+        value_cache = torch.randn(1, 1, length + 1, D).half()
+        key_cache = torch.randn(1, 1, length + 1, D).half() * 0.01  # scores near 0 except the chosen key
+        picked = 77
+        value_cache[0, 0, picked] = specials[torch.randint(0, len(specials), (D,))]
+        value_cache[0, 0, picked, :len(specials)] = specials  # each special value in the vector part
+        value_cache[0, 0, picked, -len(specials):] = specials  # and in the tail
+        key_cache[0, 0, picked] = 0
+        key_cache[0, 0, picked, 3] = 60000.0  # with q's 1 there, the score dominates everything else
+        query = torch.zeros(1, 1, D, dtype=torch.float16)
+        query[0, 0, 3] = 1.0
+        out = gqa_torch.group_query_attention_(
+            query, key_cache[:, :, length:length + 1].transpose(1, 2).reshape(1, 1, D), torch.zeros(1, 1, D).half(),
+            key_cache, value_cache, torch.tensor([length], dtype=torch.int32), num_heads=1, kv_num_heads=1,
+            scale=1.0)
+        expected = value_cache[0, 0, picked]
+        assert torch.equal(out[0, 0], expected), (out[0, 0] - expected).abs().max()
     finally:
         gqa_torch._C._set_cpu_kernels(PINNED_CPU_KERNELS)
 

@@ -253,6 +253,24 @@ KeySpan key_span(const Params& p, const RowGeometry& g, const Split& split, int 
   return span;
 }
 
+// The lane kernels for 16-bit cache rows read in place, by format.
+void score_block16(const LaneKernels& k, const float* queries, const Bf16Bits* const* keys, int count, int D,
+                   float* scores) {
+  k.score_block_bf16(queries, keys, count, D, scores);
+}
+void score_block16(const LaneKernels& k, const float* queries, const Fp16Bits* const* keys, int count, int D,
+                   float* scores) {
+  k.score_block_fp16(queries, keys, count, D, scores);
+}
+void accumulate_block16(const LaneKernels& k, float* acc, const float* weights, const Bf16Bits* const* values,
+                        int count, int D) {
+  k.accumulate_block_bf16(acc, weights, values, count, D);
+}
+void accumulate_block16(const LaneKernels& k, float* acc, const float* weights, const Fp16Bits* const* values,
+                        int count, int D) {
+  k.accumulate_block_fp16(acc, weights, values, count, D);
+}
+
 // Query tokens [s_begin, s_end) of row b, all G query heads of kv_head, over the key_split-th
 // part of the keys those tokens can see.
 template <typename T>
@@ -272,17 +290,25 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
   if (s_begin >= s_valid_end) return;
 
   // Rows are (token, head) pairs, token-major, padded with zero rows up to a multiple of
-  // kRowBlock. Scratch: queries, accumulators, K and V tiles in fp32 (fp32 caches, and bf16 ones
-  // in tasks of few row blocks, are read in place instead; tasks of kTransposeMinBlocks row blocks
-  // or more take K transposed, key_t), a block of scores, cos/sin.
+  // kRowBlock. Tasks of few row blocks (decode) read the cache rows in place: fp32 ones, and
+  // bf16 and fp16 ones through the 16-bit kernels, which widen them in registers (except fp16 in
+  // the baseline set, which has no such kernels and widens K and V tiles into fp32 tiles). Tasks
+  // of kTransposeMinBlocks row blocks or more (prefill) convert each tile once for all their
+  // blocks, cheaper than widening each row for each block: K transposed (key_t) and, for 16-bit
+  // caches, V into an fp32 tile. Scratch: queries, accumulators, those tiles, a block of scores,
+  // cos/sin.
   constexpr bool kConvert = !std::is_same_v<T, float>;
+  using Bits = std::conditional_t<std::is_same_v<T, c10::BFloat16>, Bf16Bits, Fp16Bits>;
   const LaneKernels& kernels = lane_kernels();
   const int rows = (s_valid_end - s_begin) * G;
   const int padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const size_t row_floats = static_cast<size_t>(padded_rows) * D;
   const bool transposed = padded_rows / kRowBlock >= kTransposeMinBlocks;
-  const size_t value_tile_floats = kConvert ? static_cast<size_t>(kKeyTile) * D : 0;
-  const size_t key_tile_floats = transposed ? 0 : value_tile_floats;
+  const bool rows16 = kConvert && !transposed &&
+                      (std::is_same_v<Bits, Bf16Bits> || kernels.score_block_fp16 != nullptr);
+  const size_t tile_floats = static_cast<size_t>(kKeyTile) * D;
+  const size_t key_tile_floats = kConvert && !transposed && !rows16 ? tile_floats : 0;
+  const size_t value_tile_floats = kConvert && !rows16 ? tile_floats : 0;
   const size_t key_t_floats = transposed ? static_cast<size_t>(D) * kKeyTileT : 0;
   const size_t scratch_floats =
       2 * row_floats + key_tile_floats + value_tile_floats + key_t_floats + kRowBlock * kKeyTile + D;
@@ -298,12 +324,8 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
   std::vector<RunningSoftmax> states(padded_rows);
   const float* key_rows[kKeyTile];
   const float* value_rows[kKeyTile];
-  // In tasks of few row blocks (decode), bf16 rows are read in place by the bf16 kernels, which
-  // widen them in registers (a bf16 is the high half of an fp32; fp16 would need F16C, which the
-  // baseline set lacks). Tasks of many blocks widen each tile once for all their blocks.
-  const bool bf16_rows = std::is_same_v<T, c10::BFloat16> && !transposed;
-  const uint16_t* key_rows16[kKeyTile];
-  const uint16_t* value_rows16[kKeyTile];
+  const Bits* key_rows16[kKeyTile];
+  const Bits* value_rows16[kKeyTile];
 
   // Queries are rotated and rounded to T, as a fused kernel that writes q back would; the
   // scale is folded in after.
@@ -327,16 +349,16 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
       const T* v = head_row<T>(p.value_cache, p.cache_strides, b, tile_begin + j, kv_head);
       if (transposed) {
         for (int d = 0; d < D; ++d) key_t[static_cast<size_t>(d) * kKeyTileT + j] = static_cast<float>(k[d]);
-      } else if (bf16_rows) {
-        key_rows16[j] = reinterpret_cast<const uint16_t*>(k);
+      } else if (rows16) {
+        key_rows16[j] = reinterpret_cast<const Bits*>(k);
       } else if constexpr (kConvert) {
         key_rows[j] = key_tile + j * D;
         widen(k, D, key_tile + j * D);
       } else {
         key_rows[j] = k;
       }
-      if (bf16_rows) {
-        value_rows16[j] = reinterpret_cast<const uint16_t*>(v);
+      if (rows16) {
+        value_rows16[j] = reinterpret_cast<const Bits*>(v);
       } else if constexpr (kConvert) {
         value_rows[j] = value_tile + j * D;
         widen(v, D, value_tile + j * D);
@@ -372,8 +394,8 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
       const float* block_queries = queries + static_cast<size_t>(block) * D;
       if (transposed)
         kernels.score_block_t(block_queries, key_t, begin, end, D, scores);
-      else if (bf16_rows)
-        kernels.score_block_bf16(block_queries, key_rows16 + begin, end - begin, D, scores);
+      else if (rows16)
+        score_block16(kernels, block_queries, key_rows16 + begin, end - begin, D, scores);
       else
         kernels.score_block(block_queries, key_rows + begin, end - begin, D, scores);
       for (int r = 0; r < kRowBlock; ++r) {  // scores start at key `begin`
@@ -382,8 +404,8 @@ void attend_task(const Params& p, const Split& split, int b, int kv_head, int s_
         if (p.softcap > 0.f) apply_softcap(p.softcap, scores + r * kKeyTile, visible_begin[r], visible_end[r]);
       }
       kernels.softmax_block(scores, end - begin, visible_begin, visible_end, &states[block], block_acc, D);
-      if (bf16_rows)
-        kernels.accumulate_block_bf16(block_acc, scores, value_rows16 + begin, end - begin, D);
+      if (rows16)
+        accumulate_block16(kernels, block_acc, scores, value_rows16 + begin, end - begin, D);
       else
         kernels.accumulate_block(block_acc, scores, value_rows + begin, end - begin, D);
     }

@@ -18,6 +18,13 @@
 #include <cstdint>
 #include <cstring>
 
+// The AVX2 and AVX-512 sets, beside the baseline: with GCC on x86-64 Linux (its target attributes
+// and run-time CPU checks).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(GQA_NO_MULTIVERSION)
+#define GQA_X86_LANE_SETS 1
+#endif
+
 namespace gqa {
 namespace cpu {
 namespace {
@@ -25,6 +32,24 @@ namespace {
 #define GQA_LANES_INLINE inline __attribute__((always_inline))
 // (a lambda's body is a function of its own: inlined too, so that it gets the caller's set)
 #define GQA_LAMBDA_INLINE __attribute__((always_inline))
+
+// An fp16's value, exactly (the D % W tails of the fp16 kernels): a normal one has its exponent
+// rebiased (fp16's bias 15, fp32's 127), Inf and NaN keep an all-ones exponent, and a subnormal
+// one (or zero) is its mantissa times 2^-24, exact in fp32 (and unaffected by a
+// denormals-are-zero mode, since no fp32 subnormal is formed).
+GQA_LANES_INLINE float fp16_to_fp32(uint16_t h) {
+  const uint32_t exponent = h & 0x7c00u;
+  uint32_t bits = ((h & 0x7fffu) << 13) + ((127u - 15u) << 23);
+  if (exponent == 0x7c00u) bits += (127u - 15u) << 23;
+  if (exponent == 0) {
+    const float subnormal = static_cast<float>(h & 0x3ffu) * 0x1p-24f;
+    std::memcpy(&bits, &subnormal, sizeof(bits));
+  }
+  bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 template <int W>
 struct VectorTypes;
@@ -66,24 +91,43 @@ struct Kernels {
   }
   static GQA_LANES_INLINE void store(float* dst, const V& v) { std::memcpy(dst, &v, sizeof(v)); }
 
-  // W lanes of a cache row, fp32 or bf16 (its bits: the high half of an fp32, widened in the
-  // register, so a bf16 row is read once, in place, with no fp32 copy written and read back).
+  // W lanes of a cache row, fp32, bf16 or fp16, widened to fp32 in the register, so that a
+  // 16-bit row is read once, in place, with no fp32 copy written and read back.
   static GQA_LANES_INLINE V load_row(const float* src) { return load(src); }
-  static GQA_LANES_INLINE V load_row(const uint16_t* src) {
+  template <typename Bits>
+  static GQA_LANES_INLINE IntV load_bits(const Bits* src) {  // zero-extended to 32 bits a lane
     typename VectorTypes<W>::Half half;
     std::memcpy(&half, src, sizeof(half));
-    const IntV bits = __builtin_convertvector(half, IntV) << 16;
+    return __builtin_convertvector(half, IntV);
+  }
+  static GQA_LANES_INLINE V as_float(const IntV& bits) {
     V v;
     std::memcpy(&v, &bits, sizeof(v));
     return v;
   }
+  // A bf16 is the high half of an fp32.
+  static GQA_LANES_INLINE V load_row(const Bf16Bits* src) { return as_float(load_bits(src) << 16); }
+  // An fp16: one instruction, F16C's vcvtph2ps (in AVX-512F too), written as inline assembly
+  // because its intrinsic cannot be inlined into these target-free bodies (and the compilers'
+  // own fp16 vector conversion goes lane by lane). Only the x86 sets have it: the baseline has
+  // no fp16 kernels, and its callers widen fp16 tiles once instead (integer lane operations
+  // were measured 2x slower there: B8 decode 23 against 11 ms).
+  static GQA_LANES_INLINE V load_row(const Fp16Bits* src) {
+    static_assert(W >= 8, "F16C and AVX-512 registers only");
+    typename VectorTypes<W>::Half half;
+    std::memcpy(&half, src, sizeof(half));
+    V v;
+    asm("vcvtph2ps %1, %0" : "=v"(v) : "vm"(half));
+    return v;
+  }
   static GQA_LANES_INLINE float row_element(const float* row, int i) { return row[i]; }
-  static GQA_LANES_INLINE float row_element(const uint16_t* row, int i) {
-    const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
+  static GQA_LANES_INLINE float row_element(const Bf16Bits* row, int i) {
+    const uint32_t bits = static_cast<uint32_t>(row[i].bits) << 16;
     float f;
     std::memcpy(&f, &bits, sizeof(f));
     return f;
   }
+  static GQA_LANES_INLINE float row_element(const Fp16Bits* row, int i) { return fp16_to_fp32(row[i].bits); }
 
   // Lane reductions as a tree of register halves (folded through memcpy, which compilers turn
   // into lane extracts): a vector stored and read back lane by lane stalls on store forwarding.
@@ -106,7 +150,7 @@ struct Kernels {
   }
 
   // Two keys at a time: eight independent accumulators, enough to cover the FMA latency.
-  // E: the key rows' element, float or bf16 bits.
+  // E: the key rows' element: float, Bf16Bits or Fp16Bits.
   template <typename E>
   static GQA_LANES_INLINE void score_block(const float* __restrict queries, const E* const* keys, int count,
                                            int D, float* __restrict scores) {
@@ -247,7 +291,7 @@ struct Kernels {
   // Chunks of D are outermost so the accumulators stay in registers across the keys, two chunks
   // at a time where D allows. The tile's sum is added to acc at the end: a blocked sum, whose
   // fp32 error grows far slower with the context length than that of one running sum.
-  template <typename E>  // the value rows' element, float or bf16 bits
+  template <typename E>  // the value rows' element: float, Bf16Bits or Fp16Bits
   static GQA_LANES_INLINE void accumulate_block(float* __restrict acc, const float* __restrict weights,
                                                 const E* const* values, int count, int D) {
     auto add_to_acc = [&](const V& tile_sum, int r, int d) GQA_LAMBDA_INLINE {
@@ -355,44 +399,63 @@ struct Kernels {
   }
 };
 
-// One set of entry points a (name, target attribute, lane count): each compiles Kernels<W>'s
-// always-inlined bodies for its instruction set.
-#define GQA_LANE_KERNEL_SET(NAME, TARGET, W)                                                              \
-  TARGET void NAME##_score_block(const float* queries, const float* const* keys, int count, int D,       \
-                                 float* scores) {                                                          \
-    Kernels<W>::score_block(queries, keys, count, D, scores);                                              \
-  }                                                                                                        \
-  TARGET void NAME##_score_block_t(const float* queries, const float* key_t, int begin, int end, int D,  \
-                                   float* scores) {                                                        \
-    Kernels<W>::score_block_t(queries, key_t, begin, end, D, scores);                                      \
-  }                                                                                                        \
-  TARGET void NAME##_accumulate_block(float* acc, const float* weights, const float* const* values,      \
-                                      int count, int D) {                                                  \
-    Kernels<W>::accumulate_block(acc, weights, values, count, D);                                          \
-  }                                                                                                        \
-  TARGET void NAME##_score_block_bf16(const float* queries, const uint16_t* const* keys, int count, int D, \
-                                      float* scores) {                                                     \
-    Kernels<W>::score_block(queries, keys, count, D, scores);                                              \
-  }                                                                                                        \
-  TARGET void NAME##_accumulate_block_bf16(float* acc, const float* weights, const uint16_t* const* values, \
-                                           int count, int D) {                                             \
-    Kernels<W>::accumulate_block(acc, weights, values, count, D);                                          \
-  }                                                                                                        \
-  TARGET void NAME##_softmax_block(float* scores, int count, const int* visible_begin, const int* visible_end, \
-                                   RunningSoftmax* states, float* acc, int D) {                             \
-    Kernels<W>::softmax_block(scores, count, visible_begin, visible_end, states, acc, D);                   \
-  }                                                                                                        \
-  const LaneKernels NAME##_kernels = {NAME##_score_block,      NAME##_score_block_t,                       \
-                                      NAME##_accumulate_block, NAME##_score_block_bf16,                   \
-                                      NAME##_accumulate_block_bf16, NAME##_softmax_block, #NAME};
+// The entry points of a set (name, target attribute, lane count): each compiles Kernels<W>'s
+// always-inlined bodies for its instruction set. The fp16 ones exist in the x86 sets only.
+#define GQA_LANE_KERNEL_FUNCTIONS(NAME, TARGET, W)                                                           \
+  TARGET void NAME##_score_block(const float* queries, const float* const* keys, int count, int D,           \
+                                 float* scores) {                                                            \
+    Kernels<W>::score_block(queries, keys, count, D, scores);                                                \
+  }                                                                                                          \
+  TARGET void NAME##_score_block_t(const float* queries, const float* key_t, int begin, int end, int D,      \
+                                   float* scores) {                                                          \
+    Kernels<W>::score_block_t(queries, key_t, begin, end, D, scores);                                        \
+  }                                                                                                          \
+  TARGET void NAME##_accumulate_block(float* acc, const float* weights, const float* const* values,          \
+                                      int count, int D) {                                                    \
+    Kernels<W>::accumulate_block(acc, weights, values, count, D);                                            \
+  }                                                                                                          \
+  TARGET void NAME##_score_block_bf16(const float* queries, const Bf16Bits* const* keys, int count,          \
+                                      int D, float* scores) {                                                \
+    Kernels<W>::score_block(queries, keys, count, D, scores);                                                \
+  }                                                                                                          \
+  TARGET void NAME##_accumulate_block_bf16(float* acc, const float* weights,                                 \
+                                           const Bf16Bits* const* values, int count, int D) {                \
+    Kernels<W>::accumulate_block(acc, weights, values, count, D);                                            \
+  }                                                                                                          \
+  TARGET void NAME##_softmax_block(float* scores, int count, const int* visible_begin,                       \
+                                   const int* visible_end, RunningSoftmax* states, float* acc, int D) {      \
+    Kernels<W>::softmax_block(scores, count, visible_begin, visible_end, states, acc, D);                    \
+  }
 
-GQA_LANE_KERNEL_SET(baseline, , 4)
+#define GQA_LANE_KERNEL_FP16_FUNCTIONS(NAME, TARGET, W)                                                      \
+  TARGET void NAME##_score_block_fp16(const float* queries, const Fp16Bits* const* keys, int count,          \
+                                      int D, float* scores) {                                                \
+    Kernels<W>::score_block(queries, keys, count, D, scores);                                                \
+  }                                                                                                          \
+  TARGET void NAME##_accumulate_block_fp16(float* acc, const float* weights,                                 \
+                                           const Fp16Bits* const* values, int count, int D) {                \
+    Kernels<W>::accumulate_block(acc, weights, values, count, D);                                            \
+  }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    !defined(GQA_NO_MULTIVERSION)
-#define GQA_X86_LANE_SETS 1
-GQA_LANE_KERNEL_SET(avx2, __attribute__((target("avx2,fma"))), 8)
-GQA_LANE_KERNEL_SET(avx512, __attribute__((target("avx512f"))), 16)
+#define GQA_LANE_KERNEL_TABLE(NAME, SCORE_FP16, ACCUMULATE_FP16)                                             \
+  const LaneKernels NAME##_kernels = {NAME##_score_block,           NAME##_score_block_t,                    \
+                                      NAME##_accumulate_block,      NAME##_score_block_bf16,                 \
+                                      NAME##_accumulate_block_bf16, SCORE_FP16,                              \
+                                      ACCUMULATE_FP16,              NAME##_softmax_block,                    \
+                                      #NAME};
+
+GQA_LANE_KERNEL_FUNCTIONS(baseline, , 4)
+GQA_LANE_KERNEL_TABLE(baseline, nullptr, nullptr)
+
+#ifdef GQA_X86_LANE_SETS
+#define GQA_AVX2 __attribute__((target("avx2,fma,f16c")))
+GQA_LANE_KERNEL_FUNCTIONS(avx2, GQA_AVX2, 8)
+GQA_LANE_KERNEL_FP16_FUNCTIONS(avx2, GQA_AVX2, 8)
+GQA_LANE_KERNEL_TABLE(avx2, avx2_score_block_fp16, avx2_accumulate_block_fp16)
+#define GQA_AVX512 __attribute__((target("avx512f")))
+GQA_LANE_KERNEL_FUNCTIONS(avx512, GQA_AVX512, 16)
+GQA_LANE_KERNEL_FP16_FUNCTIONS(avx512, GQA_AVX512, 16)
+GQA_LANE_KERNEL_TABLE(avx512, avx512_score_block_fp16, avx512_accumulate_block_fp16)
 #endif
 
 std::atomic<int> g_pinned{0};  // an index of kLaneKernelNames
@@ -410,7 +473,8 @@ const LaneKernels& lane_kernels() {
   }();
   static const bool has_avx2 = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0;
+    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0 &&
+           __builtin_cpu_supports("f16c") != 0;
   }();
   switch (g_pinned.load(std::memory_order_relaxed)) {
     case 1: return baseline_kernels;

@@ -15,6 +15,15 @@ constexpr int kMaxLanes = 16;  // fp32 lanes of the widest instruction set's reg
 // partial chunk of keys may read (zeros there).
 constexpr int kKeyTileT = kKeyTile + kMaxLanes;
 
+// A cache element of a 16-bit float format, as its raw bits: the kernels below read such rows in
+// place and widen them to fp32 in registers. Distinct types, so that overloads pick the format.
+struct Bf16Bits {
+  uint16_t bits;
+};
+struct Fp16Bits {
+  uint16_t bits;
+};
+
 // A query row's online softmax: its running max, and the sum of e^(score - max) so far.
 struct RunningSoftmax {
   float max = -__builtin_inff();
@@ -32,9 +41,13 @@ struct LaneKernels {
   // acc_r += sum_j weights[r * kKeyTile + j] * value_j for j < count, for the kRowBlock rows of
   // `acc` (row stride D). The tile is summed on its own, then added.
   void (*accumulate_block)(float* acc, const float* weights, const float* const* values, int count, int D);
-  // score_block and accumulate_block over bf16 cache rows (their raw bits), read in place.
-  void (*score_block_bf16)(const float* queries, const uint16_t* const* keys, int count, int D, float* scores);
-  void (*accumulate_block_bf16)(float* acc, const float* weights, const uint16_t* const* values, int count,
+  // score_block and accumulate_block over bf16 or fp16 cache rows, read in place. The fp16 ones
+  // are null in the baseline set (no F16C there).
+  void (*score_block_bf16)(const float* queries, const Bf16Bits* const* keys, int count, int D, float* scores);
+  void (*accumulate_block_bf16)(float* acc, const float* weights, const Bf16Bits* const* values, int count,
+                                int D);
+  void (*score_block_fp16)(const float* queries, const Fp16Bits* const* keys, int count, int D, float* scores);
+  void (*accumulate_block_fp16)(float* acc, const float* weights, const Fp16Bits* const* values, int count,
                                 int D);
   // The online softmax's step for the kRowBlock rows of a block over one tile: row r's raw
   // scores scores[r * kKeyTile + j], j < count, become weights e^(score - max) against the row's
