@@ -29,7 +29,7 @@ from common import cpu_name, fastest_host_call, progress, write_tables
 
 # (label, B, Hq, Hkv, D, past, new tokens, dtype): BENCHMARKS.md's CPU anchors first (fp32,
 # 32/8/128: decode over a past of 4,096 at B = 1 and 8, a 512-token prompt), then other head
-# sizes and bf16.
+# sizes, bf16 and fp16.
 ROWS = [
     ("decode", 1, 32, 8, 128, 4096, 1, torch.float32),
     ("decode", 8, 32, 8, 128, 4096, 1, torch.float32),
@@ -40,6 +40,8 @@ ROWS = [
     ("decode", 1, 32, 8, 128, 4096, 1, torch.bfloat16),
     ("decode", 8, 32, 8, 128, 4096, 1, torch.bfloat16),
     ("prefill", 1, 32, 8, 128, 0, 512, torch.bfloat16),
+    ("decode", 1, 32, 8, 128, 4096, 1, torch.float16),
+    ("decode", 8, 32, 8, 128, 4096, 1, torch.float16),
 ]
 
 
