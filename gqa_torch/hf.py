@@ -375,15 +375,17 @@ class GQACache(Cache):
         """Beam search: row ``b`` becomes old row ``beam_idx[b]`` (in place)."""
         self.kv.reorder(beam_idx)
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: Union[int, Tensor]) -> None:
         """Drops the last columns fed to every layer (assisted decoding rolls back the draft
         tokens the model rejected). ``tokens_to_remove <= 0`` removes that many columns; a positive
-        value is the number of columns to keep (transformers' older convention).
+        value is the number of columns to keep (transformers' older convention). An int, or a
+        one-element tensor (transformers 5.17 passes one).
 
         Rows are compacted, so a column is one slot of every row only where no row had padding
         in it; cropping into columns where some row had padding (a left-padded prompt) raises
         ``ValueError``. It reads the small column counters on the host (device syncs), as
         assisted decoding does anyway between its steps."""
+        tokens_to_remove = int(tokens_to_remove)
         seen = int(self.seen.max())
         keep = seen + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         remove = seen - keep

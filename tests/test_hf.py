@@ -330,7 +330,8 @@ def test_fused_assisted_generation_matches_hf(family, draft, monkeypatch):
     real_crop = GQACache.crop
 
     def counting_crop(cache, tokens_to_remove):
-        crops[tokens_to_remove < 0] += 1
+        # Counts the crops that remove columns (transformers 5.17 passes a tensor).
+        crops[int(tokens_to_remove) < 0] += 1
         return real_crop(cache, tokens_to_remove)
 
     monkeypatch.setattr(GQACache, "crop", counting_crop)
@@ -384,6 +385,8 @@ def test_gqacache_crop_removes_real_columns_only():
                                          r"the last 5 are"):
         cache.crop(-6)
     assert cache.kv.lengths_host(0).tolist() == [9, 5]  # unchanged by the refused crop
+    cache.crop(torch.tensor(-1))  # a one-element tensor, as transformers 5.17 passes
+    assert cache.kv.lengths_host(0).tolist() == [8, 4]
     cache.crop(4)  # transformers' older convention: keep 4 columns
     assert cache.kv.lengths_host(0).tolist() == [4, 0] and int(cache.get_seq_length()) == 4
 
