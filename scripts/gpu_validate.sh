@@ -4,14 +4,13 @@
 # `bash scripts/gpu_check.sh build` there first):
 #
 #   bash scripts/gpu_validate.sh decode  # every non-prefill test of the five decode files in 13
-#                                        # processes (250 s in stop 68), then memcheck over seven
-#                                        # decode and prefill tests
+#                                        # processes (250 s in stop 68), then memcheck, racecheck
+#                                        # and synccheck over 172 tests, side by side
 #   bash scripts/gpu_validate.sh rest    # the prefill GPU tests in six processes beside the
 #                                        # other test files (the CUDA fuzz, parity, torch
 #                                        # integration, soak and concurrency, ORT)
 #   bash scripts/gpu_validate.sh bench   # the three decode tables alone, FlexAttention included
-#                                        # (GQA_BENCH_ARGS=--no-flex leaves it out), then
-#                                        # racecheck and synccheck over memcheck's seven tests
+#                                        # (GQA_BENCH_ARGS=--no-flex leaves it out)
 #
 # Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
 # (csrc/kernels/NOTES.md, "A full decode round on one H200 in one call"), and leaves one log
@@ -55,12 +54,14 @@ PREFILL_SPLIT+=";prefill_route_same_bits;prefill_many_blocks"
 OTHER_FILES="tests/test_fuzz.py tests/test_parity.py tests/test_torch_integration.py tests/test_soak_concurrency.py"
 OTHER_FILES+=" tests/test_ort.py tests/test_harness.py tests/test_fast_div.py tests/test_autograd.py"
 OTHER_FILES+=" tests/test_cpu_output_cache.py"
-# What the sanitizers run: seven tests (the two TMA decode loaders and cp.async at head size 128,
-# the merge kernel over 66 and 128 splits, the mma and the pipelined wgmma prefill with its
-# append), bf16. Stop 68: three sanitizers side by side over 63 decode cases finished 6 tests
-# each in 200 s; a tool's instrumented start alone takes about a minute.
-SANITIZE_K="decode_loaders[tma-inplace-128-bf16] or decode_loaders[tma_shallow-inplace-128-bf16]"
-SANITIZE_K+=" or decode_loaders[cp_async-inplace-128-bf16] or (merge_kernel_many_splits and bf16)"
+# What the sanitizers run (bf16, 172 tests): every decode loader at every fast head size, in
+# place; the bad-row tests outside the balanced partition; the decode parity grid; the merge
+# kernel over 66 and 128 splits; the mma and the pipelined wgmma prefill with its append. In
+# stop 68, in parts: memcheck ran them in about 15 s of pytest time, synccheck 168 of them in
+# 26 s, racecheck 103 in 70 s. (The set before, 63 cases of the balanced partition and the
+# equal rows' tail splits among them, did not finish in 200 s under any of the three.)
+SANITIZE_K="(decode_loaders and inplace and bf16) or (decode and bad_row and bf16 and not decode_shares)"
+SANITIZE_K+=" or (parity_grid and decode) or (merge_kernel_many_splits and bf16)"
 SANITIZE_K+=" or prefill_kernel_append[wgmma_ws_kv_pipe-128-bf16-300] or prefill_kernel_append[mma-128-bf16-300]"
 
 case ${1:-} in
@@ -68,8 +69,9 @@ case ${1:-} in
     GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
       GQA_TEST_SPLIT="$DECODE_SPLIT" part decode_tests checks || status=1
     # After the tests (about 250 s): memcheck beside the equal-rows shard slowed it past its
-    # timeout. racecheck and synccheck run after the benchmark.
-    GQA_CHECKS="memcheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=260 part memcheck checks || status=1 ;;
+    # timeout.
+    GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=240 \
+      part sanitizers checks || status=1 ;;
   rest)
     # Two test runs side by side, each told half the cores.
     GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TESTS="tests/test_cuda.py" GQA_TEST_K="prefill" GQA_TEST_TIMEOUT=340 \
@@ -80,12 +82,9 @@ case ${1:-} in
     wait $prefill || status=1 ;;
   bench)
     # Alone on the GPU. FlexAttention compiles each shape first, up to bench_decode.py's
-    # --flex-budget (180 s here) of compiling and timing; GQA_BENCH_TIMEOUT bounds the whole run.
-    # Then racecheck and synccheck, side by side (the bench took 36 s without Flex in stop 68).
-    GQA_BENCH_ARGS=${GQA_BENCH_ARGS:---flex-budget 180} GQA_BENCH_TIMEOUT=${GQA_BENCH_TIMEOUT:-290} \
-      part bench bench || status=1
-    GQA_CHECKS="racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=260 \
-      part sanitizers checks || status=1 ;;
+    # --flex-budget (240 s) of compiling and timing; GQA_BENCH_TIMEOUT bounds the whole run
+    # (36 s without Flex in stop 68).
+    GQA_BENCH_ARGS=${GQA_BENCH_ARGS:-} GQA_BENCH_TIMEOUT=${GQA_BENCH_TIMEOUT:-560} part bench bench || status=1 ;;
   *)
     echo "usage: bash scripts/gpu_validate.sh decode|rest|bench"; exit 2 ;;
 esac
