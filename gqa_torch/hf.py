@@ -3,20 +3,22 @@
 Two routes, both honouring left-padded batched ``generate()`` (HF's default for decoders):
 
 **Fused route**: :func:`enable` ``(model)``. The attention layers of the Llama, Mistral, Ministral,
-Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi (1, 1.5, 2), Phi3, Granite,
-Granite-MoE, OLMo2, OLMo3, SmolLM3, Starcoder2, Exaone4, Cohere2, GLM4, GLM4-MoE, StableLM,
-Seed-OSS, Apertus, Arcee, Helium, ERNIE 4.5 and gpt-oss families
+Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma2, Gemma3, Phi (1, 1.5, 2), Phi3, PhiMoE,
+Granite, Granite-MoE, Granite-MoE-Shared, OLMo, OLMo2, OLMo3, OLMoE, SmolLM3, Starcoder2, Exaone4,
+Cohere (Command-R), Cohere2, GLM, GLM4, GLM4-MoE, StableLM, Nemotron, Seed-OSS, Apertus, Arcee,
+Helium, ERNIE 4.5, ERNIE 4.5 MoE, dots.llm1 and gpt-oss families
 (:data:`SUPPORTED_ATTENTION_CLASSES`) are patched so that RoPE, the KV-cache append and attention
 run in one ``gqa::group_query_attention_`` call on a :class:`GQACache` (a transformers ``Cache``
 holding a static :class:`gqa_torch.KVCache`). ``generate()`` creates that cache by itself. Handled:
 sliding windows (one for every layer, alternating or per-layer), Gemma2's
 ``attn_logit_softcapping``, the layer's own scale (``query_pre_attn_scalar``, Granite's
-``attention_multiplier``), q/k RMSNorm before RoPE per head (Qwen3, Gemma3; Phi's LayerNorm) or over
-the whole projection (OLMo2), QKV biases (Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial
-RoPE (Phi, Phi3, StableLM), interleaved RoPE (Cohere2, Helium, ERNIE 4.5; GLM4's also partial), one
-RoPE table a layer type (Gemma3's local and global bases) and layers without RoPE (SmolLM3, and the
-full layers of Exaone4 and Cohere2). The Q, K and V projections are fused into one GEMM (no extra
-memory: the three weights become views of the fused one); Phi3's is one already.
+``attention_multiplier``), q/k norms before RoPE per head (Qwen3, Gemma3; Phi's LayerNorm, Cohere's
+with weights a head) or over the whole projection (OLMo2, OLMoE), OLMo's ``clip_qkv``, QKV biases
+(Qwen2, gpt-oss), gpt-oss's learned per-head sinks, partial RoPE (Phi, Phi3, StableLM, Nemotron),
+interleaved RoPE (Cohere, Cohere2, Helium, ERNIE 4.5; GLM's also partial), one RoPE table a layer
+type (Gemma3's local and global bases) and layers without RoPE (SmolLM3, and the full layers of
+Exaone4 and Cohere2). The Q, K and V projections are fused into one GEMM (no extra memory: the three
+weights become views of the fused one); Phi3's is one already.
 
 Left padding is turned into per-row lengths: each row is *compacted* so its real tokens start
 at cache slot 0. In a call with ``S`` new tokens, each row's real tokens (the ones the 2D
@@ -84,15 +86,19 @@ ATTN_IMPLEMENTATION = "gqa"
 
 #: Attention classes that :func:`enable` patches to the fused route.
 SUPPORTED_ATTENTION_CLASSES = (
-    "LlamaAttention", "MistralAttention", "MinistralAttention", "MixtralAttention", "Qwen2Attention",
-    "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "Gemma2Attention", "Gemma3Attention",
-    "GptOssAttention", "Phi3Attention", "GraniteAttention", "GraniteMoeAttention", "Olmo2Attention",
-    "Olmo3Attention", "SmolLM3Attention", "Starcoder2Attention", "Exaone4Attention", "Cohere2Attention",
-    "Glm4Attention", "Glm4MoeAttention", "StableLmAttention", "SeedOssAttention", "ApertusAttention",
-    "ArceeAttention", "HeliumAttention", "Ernie4_5Attention", "PhiAttention")
+    "LlamaAttention", "MistralAttention", "MinistralAttention", "MixtralAttention",
+    "Qwen2Attention", "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention", "GemmaAttention",
+    "Gemma2Attention", "Gemma3Attention", "GptOssAttention", "PhiAttention", "Phi3Attention",
+    "PhimoeAttention", "GraniteAttention", "GraniteMoeAttention", "GraniteMoeSharedAttention",
+    "OlmoAttention", "Olmo2Attention", "Olmo3Attention", "OlmoeAttention", "SmolLM3Attention",
+    "Starcoder2Attention", "Exaone4Attention", "CohereAttention", "Cohere2Attention",
+    "GlmAttention", "Glm4Attention", "Glm4MoeAttention", "StableLmAttention", "NemotronAttention",
+    "SeedOssAttention", "ApertusAttention", "ArceeAttention", "HeliumAttention",
+    "Ernie4_5Attention", "Ernie4_5_MoeAttention", "Dots1Attention")
 
 # Attention classes whose RoPE rotates pairs (2i, 2i + 1) instead of (i, i + R/2).
-_INTERLEAVED_ROPE_CLASSES = ("Cohere2Attention", "Glm4Attention", "HeliumAttention", "Ernie4_5Attention")
+_INTERLEAVED_ROPE_CLASSES = ("Cohere2Attention", "Glm4Attention", "HeliumAttention", "Ernie4_5Attention",
+                             "CohereAttention", "GlmAttention", "Ernie4_5_MoeAttention")
 
 # The default of gqa_attention_forward's sliding_window: the layer did not pass one (None, passed,
 # means no window).
@@ -237,12 +243,14 @@ def gqa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     v_new = value_cache.gather(2, slot_index).transpose(1, 2).reshape(B, S, Hkv * D)
     seqlens_k = (past + (S - 1)).to(torch.int32)
     sink = None if s_aux is None else s_aux.float().reshape(Hq).contiguous()
-    if sliding_window is _NOT_PASSED:  # Qwen2-MoE windows its sliding layers through the mask alone
-        sliding_window = getattr(module, "sliding_window", None)
+    if sliding_window is _NOT_PASSED:  # Qwen2-MoE and PhiMoE window through the mask alone
+        window = _layer_window(module, getattr(module, "config", None))
+    else:
+        window = int(sliding_window) if sliding_window else -1
     out = group_query_attention_(
         q, k_new, v_new, key_cache, value_cache, seqlens_k, None, None, None, sink,
-        num_heads=Hq, kv_num_heads=Hkv, scale=float(scaling or 0.0),
-        local_window_size=int(sliding_window) if sliding_window else -1, softcap=float(softcap or 0.0))
+        num_heads=Hq, kv_num_heads=Hkv, scale=float(scaling or 0.0), local_window_size=window,
+        softcap=float(softcap or 0.0))
     if q_order is not None:
         out = _gather_rows(out, torch.argsort(q_order, dim=-1))
     return out.view(B, S, Hq, D), None
@@ -431,6 +439,21 @@ class GQACache(Cache):
 
 # ---- the fused route ------------------------------------------------------------------------------
 
+def _layer_window(module: nn.Module, config: Any) -> int:
+    """The sliding window of an HF attention layer (-1: none), wherever its family keeps it: on
+    the layer, in the config for the layer's type, or in the config for every layer."""
+    layer_types = getattr(config, "layer_types", None)
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    elif layer_types is not None:  # Qwen2-MoE sets the attribute on its sliding layers only
+        window = config.sliding_window if layer_types[module.layer_idx] == "sliding_attention" else None
+    else:  # Mistral, Mixtral, Phi3, PhiMoE, Starcoder2: one window for every layer
+        window = getattr(config, "sliding_window", None)
+    if getattr(module, "is_sliding", None) is False:  # Exaone4 keeps the window on its full layers too
+        window = None
+    return int(window) if window else -1
+
+
 class _FusedAttention:
     """Per-layer constants of a patched HF attention module (plain Python, read at trace time)."""
 
@@ -443,16 +466,7 @@ class _FusedAttention:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = module.head_dim
         self.scale = float(getattr(module, "scaling", 0.0) or 0.0)
-        layer_types = getattr(config, "layer_types", None)
-        if hasattr(module, "sliding_window"):
-            window = module.sliding_window
-        elif layer_types is not None:  # Qwen2-MoE sets the attribute on its sliding layers only
-            window = config.sliding_window if layer_types[module.layer_idx] == "sliding_attention" else None
-        else:  # Mistral, Mixtral, Phi3, Starcoder2: one window for every layer
-            window = getattr(config, "sliding_window", None)
-        if getattr(module, "is_sliding", None) is False:  # Exaone4 keeps the window on its full layers too
-            window = None
-        self.window = int(window) if window else -1
+        self.window = _layer_window(module, config)
         self.softcap = float(getattr(module, "attn_logit_softcapping", None) or 0.0)
         # Submodules are looked up by name at each call, so that one replaced after enable() (a
         # quantized or adapter-wrapped projection) is the one called. Phi (1, 1.5, 2) names its
@@ -461,9 +475,11 @@ class _FusedAttention:
         norms = ("q_norm", "k_norm") if hasattr(module, "q_norm") else ("q_layernorm", "k_layernorm")
         self.qk_norm = all(getattr(module, name, None) is not None for name in norms)
         self.q_norm_name, self.k_norm_name = norms
-        # OLMo2 normalises the whole projection; Qwen3 and Gemma3 each head.
+        # OLMo2 normalises the whole projection; Qwen3, Gemma3 and Cohere (weights a head) each head.
         self.qk_norm_whole = self.qk_norm and _norm_width(getattr(module, norms[0])) == self.num_heads * self.head_dim
         self.out_proj_name = "o_proj" if hasattr(module, "o_proj") else "dense"
+        clip = getattr(config, "clip_qkv", None)
+        self.clip_qkv = float(clip) if clip is not None else None
         # gpt-oss: one learned sink logit per query head, read each call (the weights may be reloaded).
         self.has_sink = isinstance(getattr(module, "sinks", None), Tensor)
         self.rotary_interleaved = type(module).__name__ in _INTERLEAVED_ROPE_CLASSES
@@ -472,6 +488,14 @@ class _FusedAttention:
 
     def project(self, module: nn.Module, hidden_states: Tensor):
         """``(q, k, v)`` ``[B, S, H*D]``; ``k = v = None`` when q is the packed QKV."""
+        q, k, v = self._project(module, hidden_states)
+        if self.clip_qkv is not None:  # OLMo, OLMoE: after the norms, before RoPE, q, k and v alike
+            c = self.clip_qkv
+            q = q.clamp(-c, c)
+            k, v = (None, None) if k is None else (k.clamp(-c, c), v.clamp(-c, c))
+        return q, k, v
+
+    def _project(self, module: nn.Module, hidden_states: Tensor):
         B, S, _ = hidden_states.shape
         Hq, Hkv, D = self.num_heads, self.kv_heads, self.head_dim
         if self.fused or self.packed_proj:
@@ -493,9 +517,10 @@ class _FusedAttention:
 
 
 def _norm_width(norm: nn.Module) -> int:
-    """The number of features an RMSNorm normalises (its weight's size; -1 without a weight)."""
+    """The number of features a norm with a 1-D weight normalises (its weight's size); -1 without
+    a weight or with a weight of more dimensions (Cohere's ``[heads, head_dim]``, one per head)."""
     weight = getattr(norm, "weight", None)
-    return weight.numel() if isinstance(weight, Tensor) else -1
+    return weight.numel() if isinstance(weight, Tensor) and weight.dim() == 1 else -1
 
 
 def _fuse_projections(module: nn.Module) -> bool:

@@ -83,6 +83,22 @@ FAMILIES = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
     # Phi-2: MHA with biases, partial RoPE, per-head LayerNorms on q/k, output projection "dense".
     "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, partial_rotary_factor=0.5, qk_layernorm=True)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict()),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+                                                         attention_bias=True)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
+        attention_multiplier=0.2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(partial_rotary_factor=0.5)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1, use_bias=True)),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                                      moe_intermediate_size=32, first_k_dense_replace=1)),
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(partial_rotary_factor=0.5, attention_bias=True)),
+    # OLMo and OLMoE clamp q, k and v (clip_qkv: small, so that it bites).
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, clip_qkv=0.3)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.3)),
+    # Command-R: interleaved RoPE, a LayerNorm per head with its own weights.
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(use_qk_norm=True, logit_scale=0.5)),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True)),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict()),
     "arcee": ("ArceeConfig", "ArceeForCausalLM", dict()),
