@@ -94,19 +94,15 @@ struct Kernels {
   // W lanes of a cache row, fp32, bf16 or fp16, widened to fp32 in the register, so that a
   // 16-bit row is read once, in place, with no fp32 copy written and read back.
   static GQA_LANES_INLINE V load_row(const float* src) { return load(src); }
-  template <typename Bits>
-  static GQA_LANES_INLINE IntV load_bits(const Bits* src) {  // zero-extended to 32 bits a lane
+  // A bf16 is the high half of an fp32: zero-extended to 32 bits a lane, shifted left 16.
+  static GQA_LANES_INLINE V load_row(const Bf16Bits* src) {
     typename VectorTypes<W>::Half half;
     std::memcpy(&half, src, sizeof(half));
-    return __builtin_convertvector(half, IntV);
-  }
-  static GQA_LANES_INLINE V as_float(const IntV& bits) {
+    const IntV bits = __builtin_convertvector(half, IntV) << 16;
     V v;
     std::memcpy(&v, &bits, sizeof(v));
     return v;
   }
-  // A bf16 is the high half of an fp32.
-  static GQA_LANES_INLINE V load_row(const Bf16Bits* src) { return as_float(load_bits(src) << 16); }
   // An fp16: one instruction, F16C's vcvtph2ps (in AVX-512F too), written as inline assembly
   // because its intrinsic cannot be inlined into these target-free bodies (and the compilers'
   // own fp16 vector conversion goes lane by lane). Only the x86 sets have it: the baseline has
