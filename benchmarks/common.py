@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -147,23 +148,35 @@ def time_graph(step: Callable[[int], None], n_sets: int, calls_per_replay: int =
     return statistics.median(times)
 
 
-def replay_interleaved(graphs: dict, replays: int = 15) -> dict:
+def replay_interleaved(graphs: dict, replays: int = 15, order: str = "shuffled") -> dict:
     """The µs of each timed replay of each CUDA graph in `graphs` (name -> graph), `replays` of
     each, with the graphs replayed in turn, round after round. Timed one after another, the same
     kernel read 497 and 525 TFLOP/s within one run on an H200 (its clocks drift); interleaved,
     the drift hits every graph alike, so that their ratios hold.
 
-    Each timed replay follows an untimed replay of the same graph, and the rounds alternate
-    their direction. A power-capped H200 (about 690 W on long prefills) clocks a graph higher
-    when it follows a graph that drew less power: in a fixed order, with SDPA flash's graph
-    before cuDNN's, ours / cuDNN read 0.94 at B=1 L=16384 D=128, and 1.16 with ours after
-    flash; alternating the two alone read 1.06 in either order (2026-11-30)."""
+    Each timed replay follows an untimed replay of the same graph. A power-capped H200 (about
+    690 W on long prefills) clocks a graph higher when it follows a graph that drew less power:
+    in a fixed order, with SDPA flash's graph before cuDNN's, ours / cuDNN read 0.94 at B=1
+    L=16384 D=128, and 1.16 with ours after flash; alternating the two alone read 1.06 in either
+    order (2026-11-30). So no graph keeps one place in the round:
+    - "shuffled" (the default): each round in its own random order, seeded by the round. Every
+      graph follows every other about equally often.
+    - "alternating": the given order, then reversed, round after round. The first and last
+      graphs then run four replays in a row at each turn; at B64 L32768 decode (16 ms a replay)
+      those two places read up to 6% slower than the middle ones (benchmarks/decode_order.py)."""
+    if order not in ("shuffled", "alternating"):
+        raise ValueError(f"replay_interleaved: order must be 'shuffled' or 'alternating', not {order!r}")
     for graph in graphs.values():  # untimed: the clocks and caches settle
         graph.replay()
     times = {name: [] for name in graphs}
+    names = list(graphs)
     for round_ in range(replays):
-        order = list(graphs.items()) if round_ % 2 == 0 else list(graphs.items())[::-1]
-        for name, graph in order:
+        if order == "shuffled":
+            round_order = random.Random(round_).sample(names, len(names))
+        else:
+            round_order = names if round_ % 2 == 0 else names[::-1]
+        for name in round_order:
+            graph = graphs[name]
             graph.replay()  # untimed: the clocks settle on this graph's own draw
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -174,10 +187,10 @@ def replay_interleaved(graphs: dict, replays: int = 15) -> dict:
     return times
 
 
-def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict:
+def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15, order: str = "shuffled") -> dict:
     """Median µs per call of each `steps[name](i)`, each captured in its own CUDA graph of
-    max(n_sets, 8) calls, the graphs replayed interleaved (replay_interleaved). A step that
-    cannot run or be captured reads nan."""
+    max(n_sets, 8) calls, the graphs replayed interleaved in `order` (replay_interleaved). A step
+    that cannot run or be captured reads nan."""
     calls = max(n_sets, 8)
     graphs = {}
     for name, step in steps.items():
@@ -185,7 +198,7 @@ def time_graphs_interleaved(steps: dict, n_sets: int, replays: int = 15) -> dict
             graphs[name] = capture_graph(step, n_sets, calls)
         except Exception as exc:
             progress(f"    {name}: unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
-    times = replay_interleaved(graphs, replays)
+    times = replay_interleaved(graphs, replays, order)
     del graphs
     return {name: statistics.median(times[name]) / calls if name in times else float("nan") for name in steps}
 
