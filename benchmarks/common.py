@@ -161,9 +161,12 @@ def replay_interleaved(graphs: dict, replays: int = 15, order: str = "shuffled")
     order (2026-11-30). So no graph keeps one place in the round:
     - "shuffled" (the default): each round in its own random order, seeded by the round. Every
       graph follows every other about equally often.
-    - "alternating": the given order, then reversed, round after round. The first and last
-      graphs then run four replays in a row at each turn; at B64 L32768 decode (16 ms a replay)
-      those two places read up to 6% slower than the middle ones (benchmarks/decode_order.py)."""
+    - "alternating": the given order, then reversed, round after round (the rule up to stop
+      68). The first and last graphs then run four replays in a row at each turn. At B64 L32768
+      decode (16 ms a replay) ours, first, read 1% slower than five copies of the same call
+      later in the round (1862.5 against 1844.3-1845.9 µs, benchmarks/decode_order.py, stop
+      69), and 6% slower than the columns in the middle in stop 68's grid; shuffled, all six
+      read 1844.5-1846.1. Rows of 2 ms a replay or less read alike in either order."""
     if order not in ("shuffled", "alternating"):
         raise ValueError(f"replay_interleaved: order must be 'shuffled' or 'alternating', not {order!r}")
     for graph in graphs.values():  # untimed: the clocks and caches settle
