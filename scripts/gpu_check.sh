@@ -32,7 +32,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 steps=${*:-build test sanitize bench prefill}
 # The tree without its build outputs, into directory $1 (a copy to build another way).
-copy_tree() { tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out -cf - . | tar -xf - -C "$1"; }
+copy_tree() { tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out --exclude=./.variants -cf - . | tar -xf - -C "$1"; }
 status=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 
@@ -154,12 +154,20 @@ for step in $steps; do
       # Copies of the tree, each with one patch of GQA_VARIANTS (paths relative to the tree,
       # space-separated) applied, built in the background at /tmp/gqa_variant_<i>, each marking
       # its end with .built or .failed; "abdecode" waits for them. Start it before "build": the
-      # builds share the cores (a build's wall time is mostly its longest translation unit).
+      # builds share the cores (a build's wall time is mostly its longest translation unit). A
+      # variant packed beforehand (scripts/pack_variant.sh: .variants/<patch name>.so.xz) is
+      # unpacked instead of built.
       i=0
       for patch in ${GQA_VARIANTS:-}; do
         vt=/tmp/gqa_variant_$i; patch_path=$PWD/$patch; log=$OUT/variant$i.log
+        packed=$PWD/.variants/$(basename "$patch" .patch).so.xz
         rm -rf "$vt"; mkdir -p "$vt"
         copy_tree "$vt"
+        if [ -f "$packed" ]; then
+          (cd "$vt" && patch -p1 < "$patch_path" > "$log" 2>&1 \
+            && xz -dc "$packed" > gqa_torch/_C.cpython-312-x86_64-linux-gnu.so && touch .built || touch .failed)
+          echo "variant $i: $patch unpacked at $vt"; i=$((i + 1)); continue
+        fi
         (cd "$vt" && patch -p1 < "$patch_path" > "$log" 2>&1 && TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} \
           MAX_JOBS=${MAX_JOBS:-16} GQA_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace >> "$log" 2>&1 \
           && touch .built || touch .failed) &

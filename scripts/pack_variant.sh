@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds here, for the device, one extension a patch (a variant of the landed code), so that a
+# device call's A/B spends no device time building it:
+#
+#   bash scripts/pack_variant.sh benchmarks/variants/share_deep.patch [more.patch ...]
+#
+# Each patch is applied to this tree, built by scripts/build_for_device.sh (incremental: seconds
+# where the patch touches host files, minutes where it touches a kernel), and its extension
+# packed as .variants/<patch name>.so.xz (about 13 MB); then the patch is taken back out and the
+# landed extension rebuilt. .variants/ is untracked and not ignored, so it travels with the
+# working tree to the device (keep the tree under the device tool's 64 MiB: three variants at
+# most beside the carried extension). There, `GQA_VARIANTS="<patch> ..." bash
+# scripts/gpu_check.sh variants abdecode` unpacks a packed variant instead of building it.
+# The files a patch touches must have no uncommitted changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 1 ] || { echo "usage: bash scripts/pack_variant.sh PATCH..." >&2; exit 2; }
+mkdir -p .variants
+for patch in "$@"; do
+  name=$(basename "$patch" .patch)
+  git apply --check "$patch"
+  git apply "$patch"
+  # Take the patch back out whatever happens to the build.
+  if bash scripts/build_for_device.sh > /tmp/gqa_pack_variant.log 2>&1; then
+    xz -T2 -3 -c gqa_torch/_C.cpython-312-x86_64-linux-gnu.so > ".variants/$name.so.xz"
+    echo "packed .variants/$name.so.xz ($(du -h ".variants/$name.so.xz" | cut -f1))"
+    git apply -R "$patch"
+  else
+    git apply -R "$patch"
+    tail -30 /tmp/gqa_pack_variant.log
+    echo "pack_variant: $patch did not build" >&2
+    exit 1
+  fi
+done
+bash scripts/build_for_device.sh | tail -1 > /dev/null
+echo "rebuilt the landed extension"
