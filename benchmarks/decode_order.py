@@ -6,7 +6,7 @@ replays in a row. This times ours, SDPA flash, SDPA cuDNN and `--copies` more gr
 same call, under each order, and prints each column's median µs a call and its ratio to
 cuDNN: copies of one call that read apart measure the order, not the kernel.
 
-    python3 decode_order.py --rows 6 9 12 --copies 5
+    python3 decode_order.py --rows 5 8 11 --copies 5
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from common import decode_inputs, progress, sets_for_bytes, time_graphs_interlea
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[9], help="1-based rows of DECODE_GRID")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8],
+                        help="indices into bench_decode.DECODE_GRID (as ab_decode.py's; default: B64 L32768)")
     parser.add_argument("--copies", type=int, default=5, help="graphs of our call besides 'ours'")
     parser.add_argument("--replays", type=int, default=15)
     args = parser.parse_args()
     warm_up_gpu(3.0)
     for row in args.rows:
-        b, hq, hkv, d, length = DECODE_GRID[row - 1]
+        b, hq, hkv, d, length = DECODE_GRID[row]
         n = sets_for_bytes(2 * b * hkv * length * d * 2)
         qs, ks, vs, ours = decode_inputs(b, hq, hkv, d, length, n, DTYPE)
         # ours first, the copies last, as bench_decode.py's pinned columns follow SDPA's.

@@ -20,17 +20,16 @@ for patch in "$@"; do
   name=$(basename "$patch" .patch)
   git apply --check "$patch"
   git apply "$patch"
-  # Take the patch back out whatever happens to the build.
-  if bash scripts/build_for_device.sh > /tmp/gqa_pack_variant.log 2>&1; then
-    xz -T2 -3 -c gqa_torch/_C.cpython-312-x86_64-linux-gnu.so > ".variants/$name.so.xz"
-    echo "packed .variants/$name.so.xz ($(du -h ".variants/$name.so.xz" | cut -f1))"
-    git apply -R "$patch"
-  else
-    git apply -R "$patch"
+  trap 'git apply -R "$patch"' EXIT  # the patch taken back out whatever happens below
+  if ! bash scripts/build_for_device.sh > /tmp/gqa_pack_variant.log 2>&1; then
     tail -30 /tmp/gqa_pack_variant.log
     echo "pack_variant: $patch did not build" >&2
     exit 1
   fi
+  xz -T2 -3 -c gqa_torch/_C.cpython-312-x86_64-linux-gnu.so > ".variants/$name.so.xz"
+  echo "packed .variants/$name.so.xz ($(du -h ".variants/$name.so.xz" | cut -f1))"
+  git apply -R "$patch"
+  trap - EXIT
 done
 bash scripts/build_for_device.sh | tail -1 > /dev/null
 echo "rebuilt the landed extension"
