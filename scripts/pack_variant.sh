@@ -7,9 +7,9 @@
 # Each patch is applied to this tree, built by scripts/build_for_device.sh (incremental: seconds
 # where the patch touches host files, minutes where it touches a kernel), and its extension
 # packed as .variants/<patch name>.so.xz (about 13 MB); then the patch is taken back out and the
-# landed extension rebuilt. .variants/ is untracked and not ignored, so it travels with the
-# working tree to the device (keep the tree under the device tool's 64 MiB: two variants at
-# most beside the carried extension). There, `GQA_VARIANTS="<patch> ..." bash
+# landed extension rebuilt. .variants/ is git-ignored: name it in the device tool's `carry`
+# beside the extension (the carried paths hold 64 MiB in all: two variants at most beside the
+# extension). There, `GQA_VARIANTS="<patch> ..." bash
 # scripts/gpu_check.sh variants abdecode` unpacks a packed variant instead of building it.
 # The files a patch touches must have no uncommitted changes.
 set -euo pipefail
