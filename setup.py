@@ -6,9 +6,11 @@ Modes, always printed:
 - CPU-only: only when asked (GQA_CPU_ONLY=1), or when no matching nvcc exists and
   GQA_REQUIRE_CUDA is not set; then a loud warning says so. CI sets GQA_REQUIRE_CUDA=1.
 
-TORCH_CUDA_ARCH_LIST picks the GPU architectures (default here: 9.0a, the H100/H200).
+TORCH_CUDA_ARCH_LIST picks the GPU architectures. Unset, the build targets the GPUs it can see
+(9.0a for an H100/H200), or 9.0a where it sees none (gqa_torch/_cuda_archs.py).
 """
 import glob
+import importlib.util
 import os
 import re
 import subprocess
@@ -32,6 +34,45 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def _say(message):
     print(f"[gqa_torch build] {message}", file=sys.stderr, flush=True)
+
+
+def _load_cuda_archs():
+    # By path: the gqa_torch package imports its extension, which is what this builds.
+    spec = importlib.util.spec_from_file_location("_gqa_cuda_archs", os.path.join(ROOT, "gqa_torch", "_cuda_archs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _visible_gpus():
+    try:
+        if not torch.cuda.is_available():
+            return []
+        return [(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+                for i in range(torch.cuda.device_count())]
+    except Exception as exc:  # a broken driver must not stop a build that needs no GPU
+        _say(f"could not list the GPUs ({exc}); building for the default architectures")
+        return []
+
+
+def _cuda_arch_list():
+    """TORCH_CUDA_ARCH_LIST, set to the default where it is not; exits on an architecture that
+    the kernels do not support."""
+    cuda_archs = _load_cuda_archs()
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if archs:
+        _say(f"CUDA architectures: {archs} (TORCH_CUDA_ARCH_LIST)")
+    else:
+        archs, why = cuda_archs.default_archs(_visible_gpus())
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        _say(f"CUDA architectures: {why}; set TORCH_CUDA_ARCH_LIST to choose")
+    old = cuda_archs.too_old(archs)
+    if old:
+        raise SystemExit(
+            f"[gqa_torch build] TORCH_CUDA_ARCH_LIST={archs}: {', '.join(old)} cannot run gqa-torch's CUDA kernels, "
+            "which need compute capability 8.0 or newer (bf16 tensor-core mma, cp.async). Leave them out, or build "
+            "CPU-only with GQA_CPU_ONLY=1.")
+    return archs
 
 
 def _nvcc_version():
@@ -104,10 +145,7 @@ def _extension():
         return cpp_extension.CppExtension(
             "gqa_torch._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags
         )
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
-    archs = os.environ["TORCH_CUDA_ARCH_LIST"]
-    _say(f"CUDA architectures: {archs}")
+    archs = _cuda_arch_list()
     _write_build_info(True, "", archs)
     sources += sorted(glob.glob("csrc/kernels/*.cu"))
     defines = ["-DGQA_WITH_CUDA"]

@@ -652,6 +652,11 @@ def test_tuning_switches_name_what_they_expect():
     gqa_torch._C._set_decode_shares("two_per_sm", 0)
     gqa_torch._C._set_decode_shares("cut", 0)
     gqa_torch._C._set_decode_shares("auto", -1)  # back to the plan's
+    with pytest.raises(ValueError, match=r"gqa: shared-memory budget: expected 0\.\.2\^30 bytes, got -1"):
+        gqa_torch._C._set_smem_limit(-1)
+    with pytest.raises(ValueError, match=r"gqa: shared-memory budget: expected 0\.\.2\^30 bytes, got 1073741825"):
+        gqa_torch._C._set_smem_limit((1 << 30) + 1)
+    gqa_torch._C._set_smem_limit(0)  # the device's own
 
 
 @pytest.mark.parametrize("kernel,width", [("prefill", 8), ("decode", 16)])

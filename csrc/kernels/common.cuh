@@ -94,65 +94,6 @@ struct Work {
   throw std::runtime_error(std::string("gqa: CUDA launch of ") + what + " failed: " + cudaGetErrorString(e));
 }
 
-// Programmatic dependent launch lets a kernel's launch overlap the tail of the one before it;
-// every kernel here waits (griddepcontrol.wait) before touching global memory that an earlier
-// kernel may write (seqlens_k, which none of ours writes, is read before it: pdl_early_read),
-// so it is safe after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
-bool pdl_enabled();
-
-// Enqueues `kernel` (with programmatic dependent launch where pdl_enabled()); throws with the
-// kernel's `name` if the launch fails.
-template <typename... KArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  int n = 0;
-  if (pdl_enabled()) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw_cuda(e, name);
-  }
-  e = cudaGetLastError();
-  if (e != cudaSuccess) throw_cuda(e, name);
-}
-
-// Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is
-// per function; the cache keeps the per-call host cost at one cudaGetDevice).
-template <auto Kernel>
-void ensure_smem(size_t bytes, const char* name) {
-  if (bytes <= 48 * 1024) return;
-  static std::atomic<size_t> done[64];
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 0 && dev < 64 && done[dev].load(std::memory_order_relaxed) >= bytes) return;
-  cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw_cuda(e, name);
-  }
-  if (dev >= 0 && dev < 64) done[dev].store(bytes, std::memory_order_relaxed);
-}
-
-// Whether the build has sm90a code: the wgmma prefill (elsewhere wgmma.cuh traps) and the
-// decode kernel's TMA loader need it on an sm90 device.
-#ifdef GQA_BUILT_SM90A
-constexpr bool kBuiltSm90a = true;
-#else
-constexpr bool kBuiltSm90a = false;
-#endif
-
 // An attribute of the current device, asked once per device (0 when it cannot be asked; no
 // attribute used here is 0 on a real device, so 0 also marks "not asked yet").
 template <cudaDeviceAttr kAttribute>
@@ -170,6 +111,92 @@ int device_attribute() {
 
 // Whether the current device is an sm90 part.
 inline bool device_is_sm90() { return device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9; }
+
+// Tests (set_smem_limit_override, launch.h): a budget of dynamic shared memory a block below the
+// current device's, so that an H100 or H200 can stand in for GPUs with less of it (99 KB a
+// block on sm86, sm89 and sm120, 163 KB on sm80, against 227 KB on sm90); 0: none.
+extern std::atomic<int> g_smem_limit_override;
+
+// The dynamic shared memory a block may opt in to on the current device, or the test budget
+// where that is lower; 0 when the device cannot be asked.
+inline int device_smem_limit() {
+  const int device = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
+  const int budget = g_smem_limit_override.load(std::memory_order_relaxed);
+  return budget > 0 && (device == 0 || budget < device) ? budget : device;
+}
+
+// Programmatic dependent launch lets a kernel's launch overlap the tail of the one before it;
+// every kernel here waits (griddepcontrol.wait) before touching global memory that an earlier
+// kernel may write (seqlens_k, which none of ours writes, is read before it: pdl_early_read),
+// so it is safe after any predecessor. GQA_DISABLE_PDL=1 turns it off (for debugging).
+bool pdl_enabled();
+
+// Enqueues `kernel` (with programmatic dependent launch where pdl_enabled(), on sm90 devices and
+// newer: the kernels' griddepcontrol instructions exist only in their sm90+ code, so an older
+// device must run its launches in stream order); throws with the kernel's `name` if the launch
+// fails.
+template <typename... KArgs, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  int n = 0;
+  if (pdl_enabled() && device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw_cuda(e, name);
+  }
+  e = cudaGetLastError();
+  if (e != cudaSuccess) throw_cuda(e, name);
+}
+
+[[noreturn]] inline void throw_smem(const char* name, size_t bytes, int limit) {
+  throw std::runtime_error(std::string("gqa: ") + name + " needs " + std::to_string(bytes) +
+                           " bytes of shared memory a block, and this GPU allows " + std::to_string(limit) +
+                           " (a smaller head_size needs less)");
+}
+
+// Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is
+// per function; the cache keeps the per-call host cost at one cudaGetDevice). A size past the
+// device's limit (or the test budget) throws, naming the kernel and both sizes.
+template <auto Kernel>
+void ensure_smem(size_t bytes, const char* name) {
+  if (bytes <= 48 * 1024) return;
+  // (The test budget is checked on every call: it may be set after the device's opt-in.)
+  const int budget = g_smem_limit_override.load(std::memory_order_relaxed);
+  if (budget > 0 && bytes > static_cast<size_t>(budget)) throw_smem(name, bytes, budget);
+  static std::atomic<size_t> done[64];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && done[dev].load(std::memory_order_relaxed) >= bytes) return;
+  const int limit = device_smem_limit();
+  if (limit > 0 && bytes > static_cast<size_t>(limit)) throw_smem(name, bytes, limit);
+  cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw_cuda(e, name);
+  }
+  if (dev >= 0 && dev < 64) done[dev].store(bytes, std::memory_order_relaxed);
+}
+
+// Whether the build has sm90a code: the wgmma prefill (elsewhere wgmma.cuh traps) and the
+// decode kernel's TMA loader need it on an sm90 device.
+#ifdef GQA_BUILT_SM90A
+constexpr bool kBuiltSm90a = true;
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
 
 // ------------------------------------------------------------------------------------------
 // Device side

@@ -10,9 +10,13 @@
 //   checks them: prefill_mma_appends)
 //
 // Tensor-core eligible: fp16/bf16, D in {64, 80, 96, 128, 256}, and a cache whose rows are
-// 16-byte aligned (cp.async). Everything else takes the generic CUDA-core kernel.
+// 16-byte aligned (cp.async); for decode also a device whose blocks may hold the kernel's shared
+// memory (decode_mma_fits). Everything else takes the generic CUDA-core kernel.
 #include "launch.h"
 
+#include <algorithm>
+
+#include "decode_cfg.cuh"
 #include "kernels.h"
 #include "prefill_mma.h"
 
@@ -31,6 +35,7 @@ std::atomic<int> g_decode_share_grid{0};
 std::atomic<int> g_decode_share_keys{-1};
 std::atomic<unsigned long long*> g_decode_timeline{nullptr};
 std::atomic<int> g_decode_timeline_records{0};
+std::atomic<int> g_smem_limit_override{0};
 }
 
 void set_decode_loader(int loader) { detail::g_decode_loader.store(loader, std::memory_order_relaxed); }
@@ -44,6 +49,31 @@ void set_decode_shares(int grid, int item_keys) {
   detail::g_decode_share_grid.store(grid, std::memory_order_relaxed);
   detail::g_decode_share_keys.store(item_keys, std::memory_order_relaxed);
 }
+void set_smem_limit_override(int bytes) {
+  detail::g_smem_limit_override.store(bytes > 0 ? bytes : 0, std::memory_order_relaxed);
+}
+
+namespace {
+// Compiled for the same architectures as every other kernel, so its code stands for theirs.
+__global__ void device_code_probe_kernel() {}
+}  // namespace
+
+DeviceSupport current_device_support() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return kDeviceSupported;  // (not this check's to report: the first launch says what failed)
+  }
+  if (major < 8) return kDeviceTooOld;
+  cudaFuncAttributes attributes;
+  const cudaError_t e = cudaFuncGetAttributes(&attributes, device_code_probe_kernel);
+  if (e == cudaSuccess) return kDeviceSupported;
+  (void)cudaGetLastError();
+  return e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice ? kDeviceNoCode
+                                                                                     : kDeviceSupported;
+}
+
 void set_decode_l2_fetch(int fetch) { detail::g_decode_l2_fetch.store(fetch, std::memory_order_relaxed); }
 #ifdef GQA_DECODE_TIMELINE
 bool decode_timeline_built() { return true; }
@@ -72,6 +102,34 @@ bool tensor_core_path(const Params& p) {
   return p.dtype != DType::kFloat32 && detail::is_fast_head_dim(p.head_dim) && cache_rows_aligned16(p);
 }
 
+// Whether the tensor-core decode kernel's shared memory fits the device at this head size,
+// whichever loader and grid the launch then picks. Not where a block may opt in to 99 KB
+// (sm86, sm89, sm120) at head sizes 96, 128 and 256: three cp.async stages of 64 keys (32 at
+// 256) take 104-109 KB there, and those calls take the generic kernel. Everything fits on sm80
+// (163 KB) and sm90 (227 KB). (A grid of one CTA an SM asks for half an SM and 1 KB more,
+// within every device's block limit; the test budget may be lower.)
+constexpr size_t kLargestDecodeSmem =
+    std::max({detail::decode_max_smem<64>(true), detail::decode_max_smem<80>(true), detail::decode_max_smem<96>(true),
+              detail::decode_max_smem<128>(true), detail::decode_max_smem<256>(true)});
+
+bool decode_mma_fits(int head_dim) {
+  const int limit = detail::device_smem_limit();
+  // (0: the launch then reports what failed. An H100 or H200 holds every configuration.)
+  if (limit <= 0 || static_cast<size_t>(limit) >= kLargestDecodeSmem) return true;
+  const bool tma = detail::kBuiltSm90a && detail::device_is_sm90();
+  size_t bytes = 0;
+  switch (head_dim) {
+    case 64: bytes = detail::decode_max_smem<64>(tma); break;
+    case 80: bytes = detail::decode_max_smem<80>(tma); break;
+    case 96: bytes = detail::decode_max_smem<96>(tma); break;
+    case 128: bytes = detail::decode_max_smem<128>(tma); break;
+    default: bytes = detail::decode_max_smem<256>(tma); break;
+  }
+  const size_t half_sm =
+      static_cast<size_t>(detail::device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>()) / 2 + 1024;
+  return std::max(bytes, half_sm) <= static_cast<size_t>(limit);
+}
+
 }  // namespace
 
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream_ptr) {
@@ -90,9 +148,9 @@ void launch(const Params& params, const Plan& plan, void* workspace, void* strea
     w.partial_out = reinterpret_cast<float*>(ws + plan.workspace.partial_out);
     w.partial_lse = reinterpret_cast<float*>(ws + plan.workspace.partial_lse);
   }
-  const bool tc = tensor_core_path(p);
 
   if (plan.route == Route::kDecode) {
+    const bool tc = tensor_core_path(p) && decode_mma_fits(p.head_dim);
     // The decode grid's (row, kv head, head chunk) slots, each with an arrival counter if the
     // stream has enough of them (decode_arrival.cuh).
     const int64_t arrival_slots = static_cast<int64_t>(p.batch) * p.kv_heads * decode_head_chunks(p.group_size);

@@ -13,6 +13,19 @@ namespace cuda {
 // Throws std::runtime_error on a launch failure.
 void launch(const Params& params, const Plan& plan, void* workspace, void* stream);
 
+// Whether the CUDA kernels can run on the current device: kDeviceTooOld below compute
+// capability 8.0 (they need bf16 mma.sync and cp.async), kDeviceNoCode where this build has no
+// code for the device's architecture (the build's TORCH_CUDA_ARCH_LIST). Asks the runtime, so
+// call it once per device.
+enum DeviceSupport : int { kDeviceSupported = 0, kDeviceTooOld = 1, kDeviceNoCode = 2 };
+DeviceSupport current_device_support();
+
+// Tests: a budget of dynamic shared memory a block below the device's (0: the device's own),
+// so that a GPU with plenty can run the paths that GPUs with less take (the tensor-core decode
+// kernel needs more than 99 KB a block at head sizes 96, 128 and 256; launch.cu,
+// decode_mma_fits). A kernel that asks for more throws.
+void set_smem_limit_override(int bytes);
+
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an
 // sm90a build: TMA onto per-warp mbarriers at head sizes 80, 96, 128 and 256, with one tile in
 // flight ahead at 128 where more CTAs than SMs stream splits of 1,024-4,096 keys and at 80 and 96

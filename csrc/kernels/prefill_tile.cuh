@@ -114,6 +114,9 @@ struct Config {
                             WARPS_ % 4 == 0 && (D_ == 64 || D_ == 128 || D_ == 256)),
                 "wgmma: warpgroups of 64 rows, 64-, 80- or 128-key tiles, D = 64, 128 or 256");
   static_assert(!WGMMA_ || kSmemBytes <= 227 * 1024, "the shared memory of one CTA on sm90");
+  // The mma.sync configurations are what every GPU but sm90 runs: 99 KB a block is the least of
+  // them (sm86, sm89, sm120).
+  static_assert(WGMMA_ || kSmemBytes <= 99 * 1024, "the shared memory of one CTA on every sm80+ GPU");
 };
 
 // Everything the kernel reads, passed by value as one __grid_constant__ parameter.

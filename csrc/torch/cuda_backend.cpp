@@ -186,6 +186,13 @@ void set_decode_shares(const std::string& grid, int64_t item_keys) {
 #endif
 }
 
+void set_smem_limit_override(int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes >= 0 && bytes <= (1 << 30), "gqa: shared-memory budget: expected 0..2^30 bytes, got ", bytes);
+#ifdef GQA_WITH_CUDA
+  cuda::set_smem_limit_override(static_cast<int>(bytes));
+#endif
+}
+
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys) {
   TORCH_CHECK_VALUE(max_splits >= 0 && max_splits <= 128, "gqa: max_splits: expected 0..128, got ", max_splits);
   TORCH_CHECK_VALUE(min_split_keys >= 0 && min_split_keys <= (1 << 20),
@@ -361,6 +368,32 @@ uint32_t* arrival_lane(int device, cudaStream_t stream) {
   return lane_counters(device, lane);
 }
 
+// Whether the kernels can run on each device: 0 not asked yet, 1 they can (asked once a device,
+// so that an unsupported GPU gets a message that says what to do, not a launch's bare "no
+// kernel image is available").
+std::atomic<int> g_device_supported[kMaxDevices];
+
+// Throws if the kernels cannot run on `device` (the current device). Not inside capture, which
+// the runtime's question could disturb: a device's first call cannot be captured anyway
+// (device_word), so only a capture after gqa_torch.check_errors() alone meets this, and its
+// launch then fails with the runtime's own message.
+void check_device_supported(int device, cudaStream_t stream) {
+  if (g_device_supported[device].load(std::memory_order_relaxed) != 0 || stream_is_capturing(stream)) return;
+  const cuda::DeviceSupport support = cuda::current_device_support();
+  if (support != cuda::kDeviceSupported) {
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+    const std::string cc = std::to_string(prop->major) + "." + std::to_string(prop->minor);
+    TORCH_CHECK(support != cuda::kDeviceTooOld, "gqa: cuda:", device, " (", prop->name, ", compute capability ", cc,
+                ") is older than gqa_torch's CUDA kernels support: they need compute capability 8.0 or newer "
+                "(bf16 tensor-core mma and cp.async). Call the op on CPU tensors on this machine.");
+    TORCH_CHECK(false, "gqa: this build of gqa_torch has no CUDA code for cuda:", device, " (", prop->name,
+                ", compute capability ", cc, "); gqa_torch.build_info()['cuda_archs'] lists the architectures it "
+                "was built for. Rebuild it for this GPU: on a machine with the GPU the build targets it by default, or "
+                "set TORCH_CUDA_ARCH_LIST=\"", cc, "\" (README, Install).");
+  }
+  g_device_supported[device].store(1, std::memory_order_relaxed);
+}
+
 DeviceInfo device_info(int device) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
   DeviceInfo info;
@@ -407,7 +440,8 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
   const int device = query.get_device();
   c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
-  p.error_word = device_word(device, stream);
+  p.error_word = device_word(device, stream);  // (checks the index)
+  check_device_supported(device, stream);
   if (p.query_len == 1) {
     p.arrival_counters = arrival_lane(device, stream);
     p.arrival_slots = p.arrival_counters != nullptr ? kArrivalSlots : 0;
