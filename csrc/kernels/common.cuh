@@ -114,7 +114,8 @@ inline bool device_is_sm90() { return device_attribute<cudaDevAttrComputeCapabil
 
 // Tests (set_smem_limit_override, launch.h): a budget of dynamic shared memory a block below the
 // current device's, so that an H100 or H200 can stand in for GPUs with less of it (99 KB a
-// block on sm86, sm89 and sm120, 163 KB on sm80, against 227 KB on sm90); 0: none.
+// block on sm86, sm89 and sm120, 163 KB on sm80, against 227 KB on sm90) and without the sm90a
+// kernels (sm90a_kernels_usable); 0: none.
 extern std::atomic<int> g_smem_limit_override;
 
 // The dynamic shared memory a block may opt in to on the current device, or the test budget
@@ -197,6 +198,13 @@ constexpr bool kBuiltSm90a = true;
 #else
 constexpr bool kBuiltSm90a = false;
 #endif
+
+// Whether calls on the current device may take the kernels built from sm90a code (TMA decode
+// loaders, the wgmma prefill): an sm90 device, an sm90a build, and no test budget (which stands
+// in for another GPU).
+inline bool sm90a_kernels_usable() {
+  return kBuiltSm90a && device_is_sm90() && g_smem_limit_override.load(std::memory_order_relaxed) == 0;
+}
 
 // ------------------------------------------------------------------------------------------
 // Device side

@@ -27,7 +27,9 @@ namespace detail {
 // than three CTAs an SM with short splits in row order (launch_decode_mma_d); kLoadTmaWide the TMA
 // loader at head size 64 with 32 keys a warp a stage instead of 16, in three stages of twice the
 // bytes (the same bytes in flight), so that each warp's online-softmax step (the row maxima, the
-// rescale of O, the barrier wait) serves twice the keys.
+// rescale of O, the barrier wait) serves twice the keys. kLoadCpAsyncTwoWarps is the cp.async
+// loader with two warps a CTA at head sizes 96 and 128 (32-key stages, 53-57 KB), for GPUs whose
+// blocks cannot hold the four warps' 104-109 KB (99 KB on sm86, sm89 and sm120).
 enum DecodeLoader : int {
   kLoadCpAsync = 0,
   kLoadTma = 1,
@@ -37,7 +39,8 @@ enum DecodeLoader : int {
   kLoadCpAsyncOneAhead = 5,
   kLoadTmaOneAhead = 6,
   kLoadTmaShallow = 7,
-  kLoadTmaWide = 8
+  kLoadTmaWide = 8,
+  kLoadCpAsyncTwoWarps = 9
 };
 
 // Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
@@ -56,7 +59,7 @@ struct DecodeCfg {
                                kLoader == kLoadTmaOneAhead || kLoader == kLoadTmaShallow || kLoader == kLoadTmaWide;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
   static constexpr bool kWide = kLoader == kLoadTmaWide;
-  static constexpr int kWarps = D >= 256 && kLoader != kLoadTmaFourWarps ? 2 : 4;
+  static constexpr int kWarps = (D >= 256 && kLoader != kLoadTmaFourWarps) || kLoader == kLoadCpAsyncTwoWarps ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kSliceKeys = kWide ? 32 : 16;  // keys a warp takes from each stage
   static constexpr int kTile = kSliceKeys * kWarps;  // keys per pipeline stage
@@ -92,14 +95,16 @@ struct DecodeCfg {
   static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
   static_assert(!kWide || D == 64, "32-key slices: head size 64 only (the stages' bytes)");
+  static_assert(kLoader != kLoadCpAsyncTwoWarps || D == 96 || D == 128, "two cp.async warps: head sizes 96 and 128");
   // The stages, once drained, hold the warps' combine buffer [kWarps][16][D] (floats).
   static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "the combine buffer must fit in the stages");
 };
 
 // The most dynamic shared memory the decode kernel's configurations ask for at head size D
-// among the loaders a device can run: with `tma` (an sm90 device in an sm90a build) every one
-// of them, else the cp.async ones (launch_decode_mma_d chooses). A grid of one CTA an SM asks
-// for more than half an SM besides (launch.cu, decode_mma_fits).
+// among the loaders a device can run: with `tma` (sm90a_kernels_usable) every one of them, else
+// the four-warp cp.async ones (launch_decode_mma_d chooses; kLoadCpAsyncTwoWarps only where
+// these do not fit, launch.cu's decode_mma_fits). A grid of one CTA an SM asks for more than half
+// an SM besides, within the device's limit.
 template <int D>
 constexpr size_t decode_max_smem(bool tma) {
   const auto larger = [](size_t a, size_t b) { return a > b ? a : b; };

@@ -1000,6 +1000,14 @@ extern std::atomic<int> g_decode_merge;
 // compiles out), 1 the general kernel always.
 extern std::atomic<int> g_decode_features;
 
+// Dynamic shared memory that keeps a grid to one CTA an SM: more than half an SM's (within what
+// a block may hold; only a test budget is lower).
+inline size_t half_sm_smem() {
+  const size_t half = static_cast<size_t>(device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>()) / 2 + 1024;
+  const int limit = device_smem_limit();
+  return limit > 0 ? std::min(half, static_cast<size_t>(limit)) : half;
+}
+
 // Returns whether the splits merged inside this launch (the last CTA of each (row, kv head,
 // head chunk) to arrive); otherwise, with several splits, the caller runs the merge kernel.
 // w.arrivals: the stream's counters when there are enough of them, else null.
@@ -1028,10 +1036,7 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
       // no SM holds two shares while another idles (the shares are equal, so the SM that held
       // two would finish last).
       size_t smem = DecodeCfg<D, kLoader>::kSmem;
-      if (w.shares <= device_attribute<cudaDevAttrMultiProcessorCount>()) {
-        const int sm_bytes = device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>();
-        smem = std::max(smem, static_cast<size_t>(sm_bytes) / 2 + 1024);
-      }
+      if (w.shares <= device_attribute<cudaDevAttrMultiProcessorCount>()) smem = std::max(smem, half_sm_smem());
       ensure_smem<shares_kernel>(smem, "decode_mma_kernel");
       launch_kernel("decode_mma_kernel", shares_kernel, dim3(w.shares), block, smem, stream, p, w, fused ? 1 : 0, maps);
       return true;
@@ -1060,10 +1065,7 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   // Plan::one_cta_per_sm, where the equal rows' splits are in use: more than half an SM's shared
   // memory, so that one CTA an SM fits (the rest is never touched).
   size_t smem = DecodeCfg<D, kLoader>::kSmem;
-  if (wk.one_cta_per_sm != 0 && wk.equal_rows_splits > 0) {
-    const int sm_bytes = device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>();
-    smem = std::max(smem, static_cast<size_t>(sm_bytes) / 2 + 1024);
-  }
+  if (wk.one_cta_per_sm != 0 && wk.equal_rows_splits > 0) smem = std::max(smem, half_sm_smem());
   ensure_smem<kernel>(smem, "decode_mma_kernel");
   launch_kernel("decode_mma_kernel", kernel, grid, block, smem, stream, p, wk, fused ? 1 : 0, maps);
   return wk.arrivals != nullptr;
@@ -1082,8 +1084,15 @@ template <typename T, int D>
 bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_t stream) {
   DecodeCacheMaps maps{};
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
-  bool tma = kBuiltSm90a && pinned != kPinCpAsync && pinned != kPinCpAsyncShallow &&
-             pinned != kPinCpAsyncOneAhead && device_is_sm90();
+  bool tma = pinned != kPinCpAsync && pinned != kPinCpAsyncShallow && pinned != kPinCpAsyncOneAhead &&
+             sm90a_kernels_usable();
+  // Where a block cannot hold the four warps' stages (99 KB on sm86, sm89 and sm120; launch.cu
+  // sends head size 256 to the generic kernel there), two warps a CTA, whatever the pin.
+  if constexpr (D == 96 || D == 128) {
+    const int limit = device_smem_limit();
+    if (limit > 0 && decode_max_smem<D>(tma) > static_cast<size_t>(limit))
+      return launch_decode_loader<T, D, kLoadCpAsyncTwoWarps>(p, w, fused, stream, maps);
+  }
   // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies
   // and plain loads always ask for).
   // On an H200 (twenty-seventh round, scripts/decode_bw_probe.cu, the decode grid streaming

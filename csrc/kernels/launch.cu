@@ -103,11 +103,12 @@ bool tensor_core_path(const Params& p) {
 }
 
 // Whether the tensor-core decode kernel's shared memory fits the device at this head size,
-// whichever loader and grid the launch then picks. Not where a block may opt in to 99 KB
-// (sm86, sm89, sm120) at head sizes 96, 128 and 256: three cp.async stages of 64 keys (32 at
-// 256) take 104-109 KB there, and those calls take the generic kernel. Everything fits on sm80
-// (163 KB) and sm90 (227 KB). (A grid of one CTA an SM asks for half an SM and 1 KB more,
-// within every device's block limit; the test budget may be lower.)
+// whichever loader and grid the launch then picks. Everything fits on sm90 (227 KB a block)
+// and sm80 (163 KB). Where a block may hold 99 KB (sm86, sm89, sm120), the four-warp cp.async
+// stages fit at head sizes 64 and 80; at 96 and 128 (104-109 KB) the launch takes two warps a
+// CTA instead (kLoadCpAsyncTwoWarps, 53-57 KB); at 256 two warps already take 110 KB, and those
+// calls run the generic kernel. (A grid of one CTA an SM asks for half an SM and 1 KB more,
+// within the limit: launch_decode_kernel.)
 constexpr size_t kLargestDecodeSmem =
     std::max({detail::decode_max_smem<64>(true), detail::decode_max_smem<80>(true), detail::decode_max_smem<96>(true),
               detail::decode_max_smem<128>(true), detail::decode_max_smem<256>(true)});
@@ -116,18 +117,18 @@ bool decode_mma_fits(int head_dim) {
   const int limit = detail::device_smem_limit();
   // (0: the launch then reports what failed. An H100 or H200 holds every configuration.)
   if (limit <= 0 || static_cast<size_t>(limit) >= kLargestDecodeSmem) return true;
-  const bool tma = detail::kBuiltSm90a && detail::device_is_sm90();
+  using detail::DecodeCfg;
+  using detail::kLoadCpAsyncTwoWarps;
+  const bool tma = detail::sm90a_kernels_usable();
   size_t bytes = 0;
   switch (head_dim) {
     case 64: bytes = detail::decode_max_smem<64>(tma); break;
     case 80: bytes = detail::decode_max_smem<80>(tma); break;
-    case 96: bytes = detail::decode_max_smem<96>(tma); break;
-    case 128: bytes = detail::decode_max_smem<128>(tma); break;
+    case 96: bytes = DecodeCfg<96, kLoadCpAsyncTwoWarps>::kSmem; break;
+    case 128: bytes = DecodeCfg<128, kLoadCpAsyncTwoWarps>::kSmem; break;
     default: bytes = detail::decode_max_smem<256>(tma); break;
   }
-  const size_t half_sm =
-      static_cast<size_t>(detail::device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>()) / 2 + 1024;
-  return std::max(bytes, half_sm) <= static_cast<size_t>(limit);
+  return bytes <= static_cast<size_t>(limit);
 }
 
 }  // namespace

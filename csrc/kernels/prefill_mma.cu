@@ -1143,8 +1143,7 @@ std::atomic<unsigned long long*> g_timeline{nullptr};
 std::atomic<int> g_timeline_records{0};
 
 using detail::device_attribute;
-using detail::device_is_sm90;
-using detail::kBuiltSm90a;
+using detail::sm90a_kernels_usable;
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
@@ -1293,7 +1292,7 @@ constexpr int kLongPromptForPipelinedWs = 2048;
 template <typename T, bool kSplit>
 bool launch_default(Args& a, int dpad, cudaStream_t stream) {
   const int route = g_route.load(std::memory_order_relaxed);
-  const bool sm90 = kBuiltSm90a && route != 1 && device_is_sm90();
+  const bool sm90 = route != 1 && sm90a_kernels_usable();
   // The split form exists for the plain wgmma kernel only (a short chunk: no long loop for warp
   // specialisation to pay off); D = 256 has no plain wgmma form (it takes mma.sync there, and
   // for route 2), but a warp-specialised one (the default: 467 against 260 TFLOP/s for mma.sync
@@ -1446,7 +1445,7 @@ bool prefill_mma_appends(const Params& p, int splits) {
   if (!p.inplace || p.do_rotary || splits > 1 || p.key == nullptr || p.value == nullptr) return false;
   // launch_default's warp-specialised kernels (every route but mma.sync and plain wgmma).
   const int route = g_route.load(std::memory_order_relaxed);
-  if (!kBuiltSm90a || route == 1 || route == 2 || !device_is_sm90()) return false;
+  if (route == 1 || route == 2 || !sm90a_kernels_usable()) return false;
   // The new rows are read with 16-byte copies (the cp.async tiles), K and V with one set of
   // strides (packed QKV, or two tensors of one shape).
   const TokenStrides ks = p.key_strides, vs = p.value_strides;

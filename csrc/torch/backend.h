@@ -33,8 +33,8 @@ int64_t arrival_lanes_held(int64_t device_index);
 void set_decode_split_override(int64_t max_splits, int64_t min_split_keys);
 
 // Tests: a budget of dynamic shared memory a block (bytes) below the device's, so that an H100
-// or H200 runs the paths that GPUs with less shared memory take (kernels/launch.h); 0: the
-// device's own. Process-wide; no-op in a CPU-only build.
+// or H200 runs the paths that GPUs with less shared memory and no sm90a kernels take
+// (kernels/launch.h); 0: the device's own. Process-wide; no-op in a CPU-only build.
 void set_smem_limit_override(int64_t bytes);
 
 // Tests and benchmarks: pins the fp16/bf16 prefill kernel by route name, or "auto" (the

@@ -118,8 +118,8 @@ PYBIND11_MODULE(_C, m) {
         "Tests: the decode plan's split counts, row order, CTAs an SM and waves for these shapes (core/plan.cpp), on the "
         "host (four_warps_256: DeviceInfo::decode_four_warps_256, true on an H200 with an sm90a build).");
   m.def("_set_smem_limit", &gqa::set_smem_limit_override, pybind11::arg("bytes"),
-        "Tests: pretend a block may hold at most `bytes` of dynamic shared memory (0: the device's own), so that "
-        "GPUs with less of it than an H100 can be imitated (kernels/launch.h).");
+        "Tests: pretend a block may hold at most `bytes` of dynamic shared memory and leave the sm90a kernels out "
+        "(0: the device's own), so that an H100 or H200 runs what other GPUs run (kernels/launch.h).");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
