@@ -10,7 +10,8 @@
 #                                        # other test files (the CUDA fuzz, parity, torch
 #                                        # integration, soak and concurrency, ORT)
 #   bash scripts/gpu_validate.sh bench   # the three decode tables alone, FlexAttention included
-#                                        # (GQA_BENCH_ARGS=--no-flex leaves it out)
+#                                        # (GQA_BENCH_ARGS=--no-flex leaves it out), then
+#                                        # benchmarks/small_smem.py
 #
 # Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
 # (csrc/kernels/NOTES.md, "A full decode round on one H200 in one call"), and leaves one log
@@ -84,7 +85,11 @@ case ${1:-} in
     # Alone on the GPU. FlexAttention compiles each shape first, up to bench_decode.py's
     # --flex-budget (240 s) of compiling and timing; GQA_BENCH_TIMEOUT bounds the whole run
     # (36 s without Flex in stop 68).
-    GQA_BENCH_ARGS=${GQA_BENCH_ARGS:-} GQA_BENCH_TIMEOUT=${GQA_BENCH_TIMEOUT:-560} part bench bench || status=1 ;;
+    GQA_BENCH_ARGS=${GQA_BENCH_ARGS:-} GQA_BENCH_TIMEOUT=${GQA_BENCH_TIMEOUT:-560} part bench bench || status=1
+    # Then the decode path of a 99 KB GPU, imitated under a budget (six shapes; not yet timed).
+    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2>&1 \
+      || status=1
+    echo "== small_smem"; cat "$ROOT_OUT/small_smem.md" ;;
   *)
     echo "usage: bash scripts/gpu_validate.sh decode|rest|bench"; exit 2 ;;
 esac
