@@ -54,7 +54,7 @@ PREFILL_SPLIT="prefill_routes and fp16;prefill_routes and bf16;prefill_kernel_ap
 PREFILL_SPLIT+=";prefill_route_same_bits;prefill_many_blocks"
 OTHER_FILES="tests/test_fuzz.py tests/test_parity.py tests/test_torch_integration.py tests/test_soak_concurrency.py"
 OTHER_FILES+=" tests/test_ort.py tests/test_harness.py tests/test_fast_div.py tests/test_autograd.py"
-OTHER_FILES+=" tests/test_cpu_output_cache.py tests/test_cuda_small_smem.py"
+OTHER_FILES+=" tests/test_cpu_output_cache.py tests/test_cuda_other_gpus.py"
 # What the sanitizers run (bf16, 172 tests): every decode loader at every fast head size, in
 # place; the bad-row tests outside the balanced partition; the decode parity grid; the merge
 # kernel over 66 and 128 splits; the mma and the pipelined wgmma prefill with its append. In

@@ -383,13 +383,15 @@ void check_device_supported(int device, cudaStream_t stream) {
   if (support != cuda::kDeviceSupported) {
     const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
     const std::string cc = std::to_string(prop->major) + "." + std::to_string(prop->minor);
+    // (An sm90 GPU wants its arch-specific code too, where the fastest kernels are.)
+    const std::string arch = prop->major == 9 && prop->minor == 0 ? "9.0a" : cc;
     TORCH_CHECK(support != cuda::kDeviceTooOld, "gqa: cuda:", device, " (", prop->name, ", compute capability ", cc,
                 ") is older than gqa_torch's CUDA kernels support: they need compute capability 8.0 or newer "
                 "(bf16 tensor-core mma and cp.async). Call the op on CPU tensors on this machine.");
     TORCH_CHECK(false, "gqa: this build of gqa_torch has no CUDA code for cuda:", device, " (", prop->name,
                 ", compute capability ", cc, "); gqa_torch.build_info()['cuda_archs'] lists the architectures it "
                 "was built for. Rebuild it for this GPU: on a machine with the GPU the build targets it by default, or "
-                "set TORCH_CUDA_ARCH_LIST=\"", cc, "\" (README, Install).");
+                "set TORCH_CUDA_ARCH_LIST=\"", arch, "\" (README, Install).");
   }
   g_device_supported[device].store(1, std::memory_order_relaxed);
 }

@@ -1,16 +1,23 @@
-"""GPUs with less shared memory a block than an H100 or H200 (227 KB), and without its sm90a
-kernels (TMA, wgmma): 99 KB on sm86, sm89 and sm120 (RTX 30xx/40xx/50xx, A10, L4, L40S).
+"""Other GPUs than the H100/H200 the kernels are tuned on, imitated or met on an H200.
 
-There the tensor-core decode kernel's four cp.async warps fit at head sizes 64 and 80; at 96
-and 128 (104-109 KB) the launch takes two warps a CTA (53-57 KB), and at 256 the generic
-kernel (kernels/launch.cu, decode_mma_fits). These tests run those choices on the H200 under a
-budget (gqa_torch._C._set_smem_limit), which also leaves the sm90a kernels out: a kernel that
-asks for more than the budget throws, so a decode that took a kernel too large would fail here,
-and the profiler's kernel names show which one ran.
+GPUs with less shared memory a block than sm90's 227 KB, and without its sm90a kernels (TMA,
+wgmma): 99 KB on sm86, sm89 and sm120 (RTX 30xx/40xx/50xx, A10, L4, L40S). There the
+tensor-core decode kernel's four cp.async warps fit at head sizes 64 and 80; at 96 and 128
+(104-109 KB) the launch takes two warps a CTA (53-57 KB), and at 256 the generic kernel
+(kernels/launch.cu, decode_mma_fits). These tests run those choices on the H200 under a budget
+(gqa_torch._C._set_smem_limit), which also leaves the sm90a kernels out: a kernel that asks for
+more than the budget throws, so a decode that took a kernel too large would fail here, and the
+profiler's kernel names show which one ran.
+
+And a build with no code for the GPU in use (sm80 only, on the H200): its first call must say so.
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -107,3 +114,48 @@ def test_a_kernel_past_the_budget_says_how_much_it_needs(smem_budget):
     smem_budget(0)
     run_and_check(make_case("functional", batch=1, seq=1, num_heads=2, kv_num_heads=1, head_dim=1600, capacity=8,
                             dtype=torch.float16, device="cuda"), suite="cuda_small_smem")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SM80_ONLY = os.path.join(ROOT, ".variants", "sm80_only.so.xz")
+
+
+def test_a_build_without_code_for_this_gpu_says_how_to_rebuild(tmp_path):
+    """An extension built for sm80 alone, imported on an sm90 GPU: the first CUDA call raises
+    with the GPU's name, its compute capability and the TORCH_CUDA_ARCH_LIST to rebuild with
+    (not CUDA's bare "no kernel image is available"), and the CPU backend still runs."""
+    if not os.path.exists(SM80_ONLY):
+        pytest.skip("needs .variants/sm80_only.so.xz: `bash scripts/pack_arch_build.sh 8.0 sm80_only` on the build "
+                    "machine, carried to this one")
+    major, minor = torch.cuda.get_device_capability()
+    if major == 8:
+        pytest.skip("sm80 code runs on this GPU")
+    package = tmp_path / "gqa_torch"
+    shutil.copytree(os.path.join(ROOT, "gqa_torch"), package,
+                    ignore=shutil.ignore_patterns("_C.*.so", "_build_info.py", "__pycache__"))
+    so_name = os.path.basename(gqa_torch._C.__file__)
+    subprocess.run(f"xz -dc {SM80_ONLY} > {package / so_name}", shell=True, check=True)
+    shutil.copy(SM80_ONLY.replace(".so.xz", ".build_info.py"), package / "_build_info.py")
+    script = """
+import torch, gqa_torch
+assert gqa_torch.build_info()["cuda_archs"] == "8.0", gqa_torch.build_info()
+def call(device):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 4 * 64, generator=g).to(device, torch.bfloat16)
+    k, v = (torch.randn(1, 1, 2 * 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    kc, vc = (torch.zeros(1, 2, 16, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([5], dtype=torch.int32, device=device)
+    return gqa_torch.group_query_attention_(q, k, v, kc, vc, seqlens, num_heads=4, kv_num_heads=2)
+call("cpu")
+call("cuda")
+"""
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    arch = "9.0a" if (major, minor) == (9, 0) else f"{major}.{minor}"
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr[-3000:])
+    expected = (f"gqa: this build of gqa_torch has no CUDA code for cuda:0 ({torch.cuda.get_device_name()}, compute "
+                f"capability {major}.{minor}); gqa_torch.build_info()['cuda_archs'] lists the architectures it was "
+                f"built for. Rebuild it for this GPU: on a machine with the GPU the build targets it by default, or set "
+                f'TORCH_CUDA_ARCH_LIST="{arch}" (README, Install).')
+    assert expected in result.stderr, result.stderr[-3000:]
