@@ -3,7 +3,7 @@
 GPUs with less shared memory a block than sm90's 227 KB, and without its sm90a kernels (TMA,
 wgmma): 99 KB on sm86, sm89 and sm120 (RTX 30xx/40xx/50xx, A10, L4, L40S). There the
 tensor-core decode kernel's four cp.async warps fit at head sizes 64 and 80; at 96 and 128
-(104-109 KB) the launch takes two warps a CTA (53-57 KB), and at 256 the generic kernel
+(107-108 KB) the launch takes two warps a CTA (56 KB), and at 256 the generic kernel
 (kernels/launch.cu, decode_mma_fits). These tests run those choices on the H200 under a budget
 (gqa_torch._C._set_smem_limit), which also leaves the sm90a kernels out: a kernel that asks for
 more than the budget throws, so a decode that took a kernel too large would fail here, and the

@@ -28,8 +28,8 @@ namespace detail {
 // loader at head size 64 with 32 keys a warp a stage instead of 16, in three stages of twice the
 // bytes (the same bytes in flight), so that each warp's online-softmax step (the row maxima, the
 // rescale of O, the barrier wait) serves twice the keys. kLoadCpAsyncTwoWarps is the cp.async
-// loader with two warps a CTA at head sizes 96 and 128 (32-key stages, 53-57 KB), for GPUs whose
-// blocks cannot hold the four warps' 104-109 KB (99 KB on sm86, sm89 and sm120).
+// loader with two warps a CTA at head sizes 96 and 128 (32-key stages, 56 KB), for GPUs whose
+// blocks cannot hold the four warps' 107-108 KB (99 KB on sm86, sm89 and sm120).
 enum DecodeLoader : int {
   kLoadCpAsync = 0,
   kLoadTma = 1,
