@@ -25,7 +25,9 @@ import pytest
 import torch
 
 onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
+# The GroupQueryAttention SPEC follows is ORT 1.24's and later: 1.23 has another local window
+# and no head_sink input (measured: 1.20, 1.22 and 1.23 fail 8-17 of these tests, 1.24 to 1.32 none).
+ort = pytest.importorskip("onnxruntime", minversion="1.24")
 from onnx import TensorProto, helper  # noqa: E402
 
 import gqa_torch  # noqa: E402
