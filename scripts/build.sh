@@ -21,7 +21,13 @@ if [ -n "$torch_cuda" ]; then
   if [ -x "$nvcc_bin" ]; then
     nvcc_major=$("$nvcc_bin" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
   fi
-  if [ "$nvcc_major" != "$torch_major" ]; then
+  if [ "$nvcc_major" != "$torch_major" ] && [ "$torch_major" -lt 13 ]; then
+    # Checked at stop 70: PyPI's CUDA 12 compiler wheel (nvidia-cuda-nvcc-cu12) holds ptxas alone.
+    echo "[build] torch is CUDA $torch_cuda but nvcc at $nvcc_bin is '${nvcc_major:-missing}', and PyPI has no"
+    echo "[build] nvcc $torch_major to fetch: install the CUDA $torch_major toolkit and set CUDA_HOME, or use a torch"
+    echo "[build] built for CUDA 13 (pip install torch --index-url https://download.pytorch.org/whl/cu130)."
+    echo "[build] Going on without the CUDA kernels unless GQA_REQUIRE_CUDA=1 (setup.py says which)."
+  elif [ "$nvcc_major" != "$torch_major" ]; then
     echo "[build] torch is CUDA $torch_cuda but nvcc at $nvcc_bin is '${nvcc_major:-missing}': fetching nvcc $torch_major from PyPI"
     $PY -m pip install -q "nvidia-cuda-nvcc==${torch_major}.*" "nvidia-cuda-runtime==${torch_major}.*" "nvidia-cuda-cccl==${torch_major}.*"
     nvcc_found=$($PY - <<'PYEOF'
@@ -41,7 +47,7 @@ PYEOF
 fi
 
 jobs=${MAX_JOBS:-$(nproc)}
-echo "[build] building gqa_torch._C with MAX_JOBS=$jobs, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}"
+echo "[build] building gqa_torch._C with MAX_JOBS=$jobs, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-(unset: the GPUs setup.py sees, else 9.0a)}"
 start=$(date +%s)
 MAX_JOBS=$jobs $PY setup.py build_ext --inplace 2>&1 | grep -v "^copying\|^creating\|^running" || { echo "[build] FAILED"; exit 1; }
 echo "[build] done in $(( $(date +%s) - start )) s"
