@@ -144,12 +144,12 @@ def group_query_attention_(
 
 # ---- error word ---------------------------------------------------------------------------
 
-def _device_index(device) -> int:
+def _device_index(device, caller: str) -> int:
     if device is None:
         return torch.cuda.current_device()
     device = torch.device(device)
     if device.type != "cuda":
-        raise ValueError(f"gqa: check_errors: expected a CUDA device, got {device}")
+        raise ValueError(f"gqa: {caller}: expected a CUDA device, got {device}")
     return torch.cuda.current_device() if device.index is None else device.index
 
 
@@ -161,7 +161,7 @@ def check_errors(device=None) -> None:
         return
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("gqa: check_errors() cannot run inside CUDA-graph capture; call it after replay")
-    word = _C.error_word(_device_index(device))
+    word = _C.error_word(_device_index(device, "check_errors"))
     flags = int(word.item())
     if flags:
         word.zero_()
@@ -171,7 +171,7 @@ def check_errors(device=None) -> None:
 def clear_errors(device=None) -> None:
     """Clears the error word of ``device`` without raising (stream-ordered; capturable)."""
     if cuda_kernels_available():
-        _C.error_word(_device_index(device)).zero_()
+        _C.error_word(_device_index(device, "clear_errors")).zero_()
 
 
 def set_synchronous_errors(enabled: bool) -> None:
@@ -185,9 +185,14 @@ def synchronous_errors() -> bool:
     return bool(_C.synchronous_errors())
 
 
-def cuda_kernels_available() -> bool:
-    """True when this build has the CUDA kernels and a CUDA device is usable now."""
-    return bool(_C.built_with_cuda()) and torch.cuda.is_available()
+def cuda_kernels_available(device=None) -> bool:
+    """True when this build has the CUDA kernels, a CUDA device is usable now, and the kernels can
+    run on ``device`` (default: the current one): compute capability 8.0 or newer, with code for
+    it in this build (``build_info()["cuda_archs"]``). Where this is False, CUDA calls raise and
+    say why; CPU tensors always work."""
+    if not (_C.built_with_cuda() and torch.cuda.is_available()):
+        return False
+    return _C._cuda_device_support(_device_index(device, "cuda_kernels_available")) == 0
 
 
 # ---- fake (meta) implementations, for torch.compile and FakeTensor tracing ------------------

@@ -27,7 +27,8 @@ FP32_MAX_REL = 1e-5
 NORM_REL = {torch.float16: 1e-3, torch.bfloat16: 4e-3}
 
 requires_cuda = pytest.mark.skipif(
-    not gqa_torch.cuda_kernels_available(), reason="no CUDA device/CUDA build: GPU test skipped"
+    not gqa_torch.cuda_kernels_available(),
+    reason="no CUDA device/CUDA build (or a GPU this build has no code for): GPU test skipped"
 )
 
 # Worst errors seen, per (suite, dtype); printed at the end of the run (pytest_terminal_summary).

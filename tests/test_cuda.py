@@ -2197,8 +2197,20 @@ def test_synchronous_errors_switch_makes_inplace_raise():
 def test_check_errors_device_argument():
     gqa_torch.check_errors(torch.device("cuda"))
     gqa_torch.check_errors("cuda:0")
-    with pytest.raises(ValueError, match="expected a CUDA device"):
+    with pytest.raises(ValueError, match="gqa: check_errors: expected a CUDA device, got cpu"):
         gqa_torch.check_errors("cpu")
+
+
+def test_cuda_kernels_available_asks_about_the_device():
+    """The kernels run on this GPU (its code is in the build); the device argument is checked."""
+    assert gqa_torch.cuda_kernels_available() and gqa_torch.cuda_kernels_available("cuda:0")
+    assert gqa_torch.cuda_kernels_available(torch.device("cuda"))
+    assert gqa_torch._C._cuda_device_support(0) == 0
+    with pytest.raises(ValueError, match="gqa: cuda_kernels_available: expected a CUDA device, got cpu"):
+        gqa_torch.cuda_kernels_available("cpu")
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"gqa: device index {count} out of range"):
+        gqa_torch._C._cuda_device_support(count)
 
 
 # ---- host rules that need a device ---------------------------------------------------------------

@@ -121,9 +121,10 @@ SM80_ONLY = os.path.join(ROOT, ".variants", "sm80_only.so.xz")
 
 
 def test_a_build_without_code_for_this_gpu_says_how_to_rebuild(tmp_path):
-    """An extension built for sm80 alone, imported on an sm90 GPU: the first CUDA call raises
-    with the GPU's name, its compute capability and the TORCH_CUDA_ARCH_LIST to rebuild with
-    (not CUDA's bare "no kernel image is available"), and the CPU backend still runs."""
+    """An extension built for sm80 alone, imported on an sm90 GPU: cuda_kernels_available() says
+    False, the first CUDA call raises with the GPU's name, its compute capability and the
+    TORCH_CUDA_ARCH_LIST to rebuild with (not CUDA's bare "no kernel image is available"), and
+    the CPU backend still runs."""
     if not os.path.exists(SM80_ONLY):
         pytest.skip("needs .variants/sm80_only.so.xz: `bash scripts/pack_arch_build.sh 8.0 sm80_only` on the build "
                     "machine, carried to this one")
@@ -139,6 +140,9 @@ def test_a_build_without_code_for_this_gpu_says_how_to_rebuild(tmp_path):
     script = """
 import torch, gqa_torch
 assert gqa_torch.build_info()["cuda_archs"] == "8.0", gqa_torch.build_info()
+assert not gqa_torch.cuda_kernels_available() and gqa_torch._C._cuda_device_support(0) == 2
+assert gqa_torch.build_info()["cuda_kernels_available"] is False
+gqa_torch.check_errors()  # (nothing ran there: no word to read, no error)
 def call(device):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 4 * 64, generator=g).to(device, torch.bfloat16)

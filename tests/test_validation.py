@@ -659,6 +659,19 @@ def test_tuning_switches_name_what_they_expect():
     gqa_torch._C._set_smem_limit(0)  # the device's own
 
 
+def test_cuda_device_support_without_a_gpu():
+    """No GPU: cuda_kernels_available() is False, and the device query refuses a device that is
+    not there (a CUDA build) or says "no code" (a CPU-only build, which has none for any GPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/test_cuda.py asks about it")
+    assert not gqa_torch.cuda_kernels_available()
+    if gqa_torch._C.built_with_cuda():
+        with pytest.raises(ValueError, match="gqa: device index 0 out of range"):
+            gqa_torch._C._cuda_device_support(0)
+    else:
+        assert gqa_torch._C._cuda_device_support(0) == 2
+
+
 @pytest.mark.parametrize("kernel,width", [("prefill", 8), ("decode", 16)])
 def test_timeline_switches_check_their_buffer(kernel, width):
     """The diagnostic timelines (per prefill block, per decode CTA) take an int64 CUDA tensor

@@ -22,6 +22,12 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check);
 // Allocated on first use (outside graph capture).
 at::Tensor error_word(int64_t device_index);
 
+// Whether the CUDA kernels can run on a device: 0 they can, 1 it is older than compute
+// capability 8.0, 2 this build has no code for it (kernels/launch.h, DeviceSupport; always 2 in
+// a CPU-only build). Asked of the runtime once per device, outside graph capture (inside, an
+// unasked device reads 0 and stays unasked).
+int64_t cuda_device_support(int64_t device_index);
+
 // Tests: how many lanes of decode arrival counters on a device are held, one for each stream
 // that ran a decode call there and one for each capture of one whose graphs are not all
 // destroyed yet (cuda_backend.cpp). 0 in a CPU-only build.

@@ -13,6 +13,7 @@
 
 #ifdef GQA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -221,6 +222,8 @@ at::Tensor error_word(int64_t) {
 
 int64_t arrival_lanes_held(int64_t) { return 0; }
 
+int64_t cuda_device_support(int64_t) { return 2; }
+
 #else
 
 namespace {
@@ -368,32 +371,39 @@ uint32_t* arrival_lane(int device, cudaStream_t stream) {
   return lane_counters(device, lane);
 }
 
-// Whether the kernels can run on each device: 0 not asked yet, 1 they can (asked once a device,
-// so that an unsupported GPU gets a message that says what to do, not a launch's bare "no
-// kernel image is available").
-std::atomic<int> g_device_supported[kMaxDevices];
+// What cuda::current_device_support said of each device, plus one (0: not asked yet).
+std::atomic<int> g_device_support[kMaxDevices];
 
-// Throws if the kernels cannot run on `device` (the current device). Not inside capture, which
-// the runtime's question could disturb: a device's first call cannot be captured anyway
-// (device_word), so only a capture after gqa_torch.check_errors() alone meets this, and its
-// launch then fails with the runtime's own message.
-void check_device_supported(int device, cudaStream_t stream) {
-  if (g_device_supported[device].load(std::memory_order_relaxed) != 0 || stream_is_capturing(stream)) return;
+// Whether the kernels can run on `device`, asked of the runtime once per device. Not inside
+// capture, which the runtime's question could disturb: kDeviceSupported then, and the device
+// stays unasked (its first call cannot be captured anyway, device_word).
+cuda::DeviceSupport device_support(int device) {
+  const int known = g_device_support[device].load(std::memory_order_relaxed);
+  if (known != 0) return static_cast<cuda::DeviceSupport>(known - 1);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (stream_is_capturing(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()))
+    return cuda::kDeviceSupported;
   const cuda::DeviceSupport support = cuda::current_device_support();
-  if (support != cuda::kDeviceSupported) {
-    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
-    const std::string cc = std::to_string(prop->major) + "." + std::to_string(prop->minor);
-    // (An sm90 GPU wants its arch-specific code too, where the fastest kernels are.)
-    const std::string arch = prop->major == 9 && prop->minor == 0 ? "9.0a" : cc;
-    TORCH_CHECK(support != cuda::kDeviceTooOld, "gqa: cuda:", device, " (", prop->name, ", compute capability ", cc,
-                ") is older than gqa_torch's CUDA kernels support: they need compute capability 8.0 or newer "
-                "(bf16 tensor-core mma and cp.async). Call the op on CPU tensors on this machine.");
-    TORCH_CHECK(false, "gqa: this build of gqa_torch has no CUDA code for cuda:", device, " (", prop->name,
-                ", compute capability ", cc, "); gqa_torch.build_info()['cuda_archs'] lists the architectures it "
-                "was built for. Rebuild it for this GPU: on a machine with the GPU the build targets it by default, or "
-                "set TORCH_CUDA_ARCH_LIST=\"", arch, "\" (README, Install).");
-  }
-  g_device_supported[device].store(1, std::memory_order_relaxed);
+  g_device_support[device].store(static_cast<int>(support) + 1, std::memory_order_relaxed);
+  return support;
+}
+
+// Throws if the kernels cannot run on `device`, with a message that says what to do (not a
+// launch's bare "no kernel image is available").
+void check_device_supported(int device) {
+  const cuda::DeviceSupport support = device_support(device);
+  if (support == cuda::kDeviceSupported) return;
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  const std::string cc = std::to_string(prop->major) + "." + std::to_string(prop->minor);
+  // (An sm90 GPU wants its arch-specific code too, where the fastest kernels are.)
+  const std::string arch = prop->major == 9 && prop->minor == 0 ? "9.0a" : cc;
+  TORCH_CHECK(support != cuda::kDeviceTooOld, "gqa: cuda:", device, " (", prop->name, ", compute capability ", cc,
+              ") is older than gqa_torch's CUDA kernels support: they need compute capability 8.0 or newer "
+              "(bf16 tensor-core mma and cp.async). Call the op on CPU tensors on this machine.");
+  TORCH_CHECK(false, "gqa: this build of gqa_torch has no CUDA code for cuda:", device, " (", prop->name,
+              ", compute capability ", cc, "); gqa_torch.build_info()['cuda_archs'] lists the architectures it "
+              "was built for. Rebuild it for this GPU: on a machine with the GPU the build targets it by default, or "
+              "set TORCH_CUDA_ARCH_LIST=\"", arch, "\" (README, Install).");
 }
 
 DeviceInfo device_info(int device) {
@@ -431,6 +441,12 @@ int64_t arrival_lanes_held(int64_t device_index) {
   return held;
 }
 
+int64_t cuda_device_support(int64_t device_index) {
+  TORCH_CHECK_VALUE(device_index >= 0 && device_index < kMaxDevices && device_index < c10::cuda::device_count(),
+                    "gqa: device index ", device_index, " out of range");
+  return device_support(static_cast<int>(device_index));
+}
+
 at::Tensor error_word(int64_t device_index) {
   const auto stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index));
   uint32_t* word = device_word(static_cast<int>(device_index), stream.stream());
@@ -443,7 +459,7 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
   c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   p.error_word = device_word(device, stream);  // (checks the index)
-  check_device_supported(device, stream);
+  check_device_supported(device);
   if (p.query_len == 1) {
     p.arrival_counters = arrival_lane(device, stream);
     p.arrival_slots = p.arrival_counters != nullptr ? kArrivalSlots : 0;

@@ -18,6 +18,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("built_with_cuda", &gqa::built_with_cuda, "True when this build compiled the CUDA kernels.");
   m.def("error_word", &gqa::error_word, pybind11::arg("device_index"),
         "The sticky per-device error word, as an int32 tensor aliasing its fixed address.");
+  m.def("_cuda_device_support", &gqa::cuda_device_support, pybind11::arg("device_index"),
+        "0 when the CUDA kernels can run on the device, 1 when it is older than compute capability 8.0, 2 when "
+        "this build has no code for it (always 2 in a CPU-only build).");
   m.def("_arrival_lanes_held", &gqa::arrival_lanes_held, pybind11::arg("device_index"),
         "Tests: the lanes of decode arrival counters held on a device, one a stream that ran a decode call "
         "and one a capture of one whose graphs are not all destroyed yet (0 in a CPU-only build).");
