@@ -44,7 +44,8 @@ void set_smem_limit_override(int bytes);
 // ahead at 80 and 96 whatever the grid (5 and 6 elsewhere as 1), 7 ("tma_one_ahead") TMA one tile
 // ahead at 80, 96 and 128 whatever the grid, 8 ("tma_shallow") TMA in three stages at 64 whatever
 // the grid, 9 ("tma_wide") TMA with 32 keys a warp a stage at 64 whatever the grid (7, 8 and 9
-// elsewhere as 2).
+// elsewhere as 2). Where a block cannot hold the four warps' stages (99 KB: sm86, sm89, sm120, or
+// set_smem_limit_override), head sizes 96 and 128 take two cp.async warps a CTA whatever the pin.
 void set_decode_loader(int loader);
 // set_decode_loader's values by name, in the order of the names cuda_backend.cpp accepts.
 enum DecodeLoaderPin : int {
