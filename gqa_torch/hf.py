@@ -65,9 +65,10 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import build_info
 from .cache import KVCache
 from .module import RopeTables
-from .ops import group_query_attention_
+from .ops import cuda_kernels_available, group_query_attention_
 
 Tensor = torch.Tensor
 
@@ -676,6 +677,25 @@ def _set_attn_implementation(model: nn.Module, name: str) -> None:
             config._attn_implementation = name
 
 
+def _check_cuda_devices(devices) -> None:
+    """Raises, before anything is patched, if a CUDA device among ``devices`` cannot run the
+    kernels (a GPU older than compute capability 8.0, one this build has no code for, or a
+    CPU-only build): the model's first forward would raise there anyway, later and further from
+    the cause."""
+    for device in sorted({d for d in devices if d.type == "cuda"}, key=str):
+        if cuda_kernels_available(device):
+            continue
+        index = torch.cuda.current_device() if device.index is None else device.index
+        major, minor = torch.cuda.get_device_capability(index)
+        info = build_info()
+        built = (f"built for TORCH_CUDA_ARCH_LIST={info.get('cuda_archs')!r}" if info.get("mode") == "CUDA"
+                 else "built CPU-only")
+        raise RuntimeError(
+            f"gqa_torch.hf.enable: the model is on cuda:{index} ({torch.cuda.get_device_name(index)}, compute "
+            f"capability {major}.{minor}), where gqa_torch's CUDA kernels cannot run: they need 8.0 or newer, and "
+            f"this build was {built}. Keep the model on the CPU, or rebuild gqa_torch for this GPU (README, Install).")
+
+
 def enable(model: nn.Module, *, fuse_qkv: bool = True, max_positions: Optional[int] = None) -> nn.Module:
     """Switches a transformers causal LM to gqa-torch, in place; returns the model.
 
@@ -691,9 +711,13 @@ def enable(model: nn.Module, *, fuse_qkv: bool = True, max_positions: Optional[i
     ``fuse_qkv`` fuses the Q/K/V projections into one GEMM (the three weights become views of
     the fused one). ``max_positions`` sizes the RoPE tables (default: the config's
     ``max_position_embeddings``; they grow when a larger cache is made). Undo with :func:`disable`.
+
+    Raises ``RuntimeError``, before changing anything, if the model sits on a GPU that the CUDA
+    kernels cannot run on (:func:`gqa_torch.cuda_kernels_available` is False there).
     """
     if getattr(model, "_gqa_state", None) is not None:
         return model
+    _check_cuda_devices({p.device for p in model.parameters()})
     register()
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     before = getattr(config, "_attn_implementation", None)

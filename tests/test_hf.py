@@ -383,6 +383,37 @@ def test_a_model_split_across_devices_stays_on_the_generic_route():
     assert "gqa_rope" not in model._modules
 
 
+def test_enable_refuses_a_gpu_the_kernels_cannot_run_on(monkeypatch):
+    """enable() checks the devices of the model's parameters before it patches anything, and a
+    GPU that this build cannot run (here a T4, imitated: no GPU is needed) is refused with the GPU
+    and what to do; the CPU and a GPU the kernels run on are not."""
+    model = build("llama")
+    seen = []
+
+    def refuse(devices):
+        seen.append(devices)
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(ghf, "_check_cuda_devices", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        ghf.enable(model)
+    assert seen == [{torch.device("cpu")}] and getattr(model, "_gqa_state", None) is None
+    assert model.config._attn_implementation == "eager"
+    monkeypatch.undo()
+
+    monkeypatch.setattr(ghf, "cuda_kernels_available", lambda device: device.index != 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Tesla T4")
+    ghf._check_cuda_devices({torch.device("cpu"), torch.device("cuda:0")})
+    with pytest.raises(RuntimeError, match=r"gqa_torch\.hf\.enable: the model is on cuda:1 \(Tesla T4, compute "
+                                           r"capability 7\.5\), where gqa_torch's CUDA kernels cannot run: they need "
+                                           r"8\.0 or newer, and this build was (built for TORCH_CUDA_ARCH_LIST=|built "
+                                           r"CPU-only).*Keep the model on the CPU, or rebuild gqa_torch for this GPU"):
+        ghf._check_cuda_devices({torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")})
+    ghf.enable(model)  # (on the CPU)
+    assert model._gqa_state.patched
+
+
 def test_gqacache_crop_removes_real_columns_only():
     """Cropping the last columns equals never having fed them (the logits of feeding them again
     are unchanged); columns where a left-padded row had padding cannot be cropped."""
