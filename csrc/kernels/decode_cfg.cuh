@@ -119,6 +119,19 @@ constexpr size_t decode_max_smem(bool tma) {
   return bytes;
 }
 
+// What fits a block limit of `limit` bytes (0: unknown, take it as enough) at head size D, the one
+// rule that launch.cu (tensor cores or the generic kernel) and launch_decode_mma_d (which loader)
+// both follow: kFitsFourWarps, every loader the device may run; kFitsTwoWarps, only
+// kLoadCpAsyncTwoWarps (head sizes 96 and 128); kFitsNone, no configuration.
+enum DecodeSmemFit : int { kFitsFourWarps = 0, kFitsTwoWarps = 1, kFitsNone = 2 };
+template <int D>
+constexpr DecodeSmemFit decode_smem_fit(bool tma, int limit) {
+  if (limit <= 0 || decode_max_smem<D>(tma) <= static_cast<size_t>(limit)) return kFitsFourWarps;
+  if constexpr (D == 96 || D == 128)
+    if (DecodeCfg<D, kLoadCpAsyncTwoWarps>::kSmem <= static_cast<size_t>(limit)) return kFitsTwoWarps;
+  return kFitsNone;
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace gqa

@@ -1089,8 +1089,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // Where a block cannot hold the four warps' stages (99 KB on sm86, sm89 and sm120; launch.cu
   // sends head size 256 to the generic kernel there), two warps a CTA, whatever the pin.
   if constexpr (D == 96 || D == 128) {
-    const int limit = device_smem_limit();
-    if (limit > 0 && decode_max_smem<D>(tma) > static_cast<size_t>(limit))
+    if (decode_smem_fit<D>(tma, device_smem_limit()) == kFitsTwoWarps)
       return launch_decode_loader<T, D, kLoadCpAsyncTwoWarps>(p, w, fused, stream, maps);
   }
   // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies

@@ -115,20 +115,18 @@ constexpr size_t kLargestDecodeSmem =
 
 bool decode_mma_fits(int head_dim) {
   const int limit = detail::device_smem_limit();
-  // (0: the launch then reports what failed. An H100 or H200 holds every configuration.)
+  // (An H100 or H200 holds every configuration.)
   if (limit <= 0 || static_cast<size_t>(limit) >= kLargestDecodeSmem) return true;
-  using detail::DecodeCfg;
-  using detail::kLoadCpAsyncTwoWarps;
   const bool tma = detail::sm90a_kernels_usable();
-  size_t bytes = 0;
+  detail::DecodeSmemFit fit = detail::kFitsNone;
   switch (head_dim) {
-    case 64: bytes = detail::decode_max_smem<64>(tma); break;
-    case 80: bytes = detail::decode_max_smem<80>(tma); break;
-    case 96: bytes = DecodeCfg<96, kLoadCpAsyncTwoWarps>::kSmem; break;
-    case 128: bytes = DecodeCfg<128, kLoadCpAsyncTwoWarps>::kSmem; break;
-    default: bytes = detail::decode_max_smem<256>(tma); break;
+    case 64: fit = detail::decode_smem_fit<64>(tma, limit); break;
+    case 80: fit = detail::decode_smem_fit<80>(tma, limit); break;
+    case 96: fit = detail::decode_smem_fit<96>(tma, limit); break;
+    case 128: fit = detail::decode_smem_fit<128>(tma, limit); break;
+    default: fit = detail::decode_smem_fit<256>(tma, limit); break;
   }
-  return bytes <= static_cast<size_t>(limit);
+  return fit != detail::kFitsNone;
 }
 
 }  // namespace
