@@ -1,12 +1,12 @@
 """Decode on the path of a GPU with 99 KB of shared memory a block, imitated on an H100/H200.
 
 sm86, sm89 and sm120 GPUs (RTX 30xx/40xx/50xx, A10, L4, L40S) cannot hold the tensor-core decode
-kernel's four cp.async warps at head sizes 96 and 128, so they take two warps a CTA, and the
-generic CUDA-core kernel at 256 (kernels/launch.cu, decode_mma_fits). Under a shared-memory
+kernel's usual cp.async stages at head sizes 96, 128 and 256, so they take fewer warps a CTA:
+two at 96 and 128, one at 256 (kernels/decode_cfg.cuh, decode_smem_fit). Under a shared-memory
 budget (gqa_torch._C._set_smem_limit, which also leaves the sm90a kernels out) an H200 runs those
 kernels; this times them, interleaved in one process, against the H200's own path, the generic
 kernel (a 50,000-byte budget, which no tensor-core configuration fits) and SDPA cuDNN. The H200's
-bandwidth is not an RTX's: read the ratios between columns, not the times, as what the two-warp
+bandwidth is not an RTX's: read the ratios between columns, not the times, as what the narrow
 kernel buys over the generic one.
 
     python3 small_smem.py                       # the default shapes

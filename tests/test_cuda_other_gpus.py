@@ -2,9 +2,9 @@
 
 GPUs with less shared memory a block than sm90's 227 KB, and without its sm90a kernels (TMA,
 wgmma): 99 KB on sm86, sm89 and sm120 (RTX 30xx/40xx/50xx, A10, L4, L40S). There the
-tensor-core decode kernel's four cp.async warps fit at head sizes 64 and 80; at 96 and 128
-(107-108 KB) the launch takes two warps a CTA (56 KB), and at 256 the generic kernel
-(kernels/launch.cu, decode_mma_fits). These tests run those choices on the H200 under a budget
+tensor-core decode kernel's usual cp.async stages fit at head sizes 64 and 80; at 96 and 128
+(107-108 KB) the launch takes two warps a CTA (56 KB), and at 256 one (59 KB)
+(kernels/decode_cfg.cuh, decode_smem_fit). These tests run those choices on the H200 under a budget
 (gqa_torch._C._set_smem_limit), which also leaves the sm90a kernels out: a kernel that asks for
 more than the budget throws, so a decode that took a kernel too large would fail here, and the
 profiler's kernel names show which one ran.
@@ -48,9 +48,9 @@ FEATURES = {
 
 
 # The decode kernel's loader codes (DecodeLoader, kernels/decode_cfg.cuh) a 99 KB GPU may run at
-# each head size: the four-warp cp.async ones (0 as such, 4 in three stages, 5 one tile ahead),
-# two cp.async warps (9); None: the generic kernel.
-LOADERS_AT_99KB = {64: {0, 4}, 80: {0, 5}, 96: {9}, 128: {9}, 256: None}
+# each head size: the four-warp cp.async ones (0 as such, 4 in three stages, 5 one tile ahead)
+# and the narrow one (9: two warps at 96 and 128, one at 256).
+LOADERS_AT_99KB = {64: {0, 4}, 80: {0, 5}, 96: {9}, 128: {9}, 256: {9}}
 
 
 @pytest.mark.parametrize("features", list(FEATURES))
@@ -73,10 +73,7 @@ def test_decode_under_a_99kb_budget(head_dim, dtype, op, features, smem_budget):
     if not names:  # (under compute-sanitizer, which keeps CUPTI from starting)
         pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
     codes = _decode_loader_codes(names, head_dim)
-    if LOADERS_AT_99KB[head_dim] is None:
-        assert codes == [] and any("generic_attn_kernel" in n for n in names), names
-    else:
-        assert len(codes) == 1 and codes[0] in LOADERS_AT_99KB[head_dim], names
+    assert len(codes) == 1 and codes[0] in LOADERS_AT_99KB[head_dim], names
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -27,9 +27,10 @@ namespace detail {
 // than three CTAs an SM with short splits in row order (launch_decode_mma_d); kLoadTmaWide the TMA
 // loader at head size 64 with 32 keys a warp a stage instead of 16, in three stages of twice the
 // bytes (the same bytes in flight), so that each warp's online-softmax step (the row maxima, the
-// rescale of O, the barrier wait) serves twice the keys. kLoadCpAsyncTwoWarps is the cp.async
-// loader with two warps a CTA at head sizes 96 and 128 (32-key stages, 56 KB), for GPUs whose
-// blocks cannot hold the four warps' 107-108 KB (99 KB on sm86, sm89 and sm120).
+// rescale of O, the barrier wait) serves twice the keys. kLoadCpAsyncNarrow is the cp.async
+// loader with fewer warps a CTA, for GPUs whose blocks cannot hold the usual stages (99 KB on
+// sm86, sm89 and sm120): two warps at head sizes 96 and 128 (32-key stages, 56 KB, where four
+// take 107-108 KB), one warp at 256 (16-key stages, 59 KB, where two take 108 KB).
 enum DecodeLoader : int {
   kLoadCpAsync = 0,
   kLoadTma = 1,
@@ -40,7 +41,7 @@ enum DecodeLoader : int {
   kLoadTmaOneAhead = 6,
   kLoadTmaShallow = 7,
   kLoadTmaWide = 8,
-  kLoadCpAsyncTwoWarps = 9
+  kLoadCpAsyncNarrow = 9
 };
 
 // Four warps and 64-key stages; at D = 256 two warps and 32-key stages (kLoadTmaFourWarps
@@ -59,7 +60,8 @@ struct DecodeCfg {
                                kLoader == kLoadTmaOneAhead || kLoader == kLoadTmaShallow || kLoader == kLoadTmaWide;
   static constexpr bool kRegK = kLoader == kLoadTmaV;
   static constexpr bool kWide = kLoader == kLoadTmaWide;
-  static constexpr int kWarps = (D >= 256 && kLoader != kLoadTmaFourWarps) || kLoader == kLoadCpAsyncTwoWarps ? 2 : 4;
+  static constexpr bool kNarrow = kLoader == kLoadCpAsyncNarrow;
+  static constexpr int kWarps = kNarrow ? (D >= 256 ? 1 : 2) : (D >= 256 && kLoader != kLoadTmaFourWarps) ? 2 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kSliceKeys = kWide ? 32 : 16;  // keys a warp takes from each stage
   static constexpr int kTile = kSliceKeys * kWarps;  // keys per pipeline stage
@@ -95,15 +97,15 @@ struct DecodeCfg {
   static_assert(!kRegK || D == 64 || D == 128, "K fragments in registers: D = 64 or 128 (the register budget)");
   static_assert(kStages >= 3, "pipeline depth");
   static_assert(!kWide || D == 64, "32-key slices: head size 64 only (the stages' bytes)");
-  static_assert(kLoader != kLoadCpAsyncTwoWarps || D == 96 || D == 128, "two cp.async warps: head sizes 96 and 128");
+  static_assert(!kNarrow || D == 96 || D == 128 || D == 256, "the narrow cp.async loader: head sizes 96, 128 and 256");
   // The stages, once drained, hold the warps' combine buffer [kWarps][16][D] (floats).
   static_assert(kWarps * 16 * D * 4 <= kStages * kStageBytes, "the combine buffer must fit in the stages");
 };
 
 // The most dynamic shared memory the decode kernel's configurations ask for at head size D
 // among the loaders a device can run: with `tma` (sm90a_kernels_usable) every one of them, else
-// the four-warp cp.async ones (launch_decode_mma_d chooses; kLoadCpAsyncTwoWarps only where
-// these do not fit, launch.cu's decode_mma_fits). A grid of one CTA an SM asks for more than half
+// the cp.async ones of the usual widths (launch_decode_mma_d chooses; kLoadCpAsyncNarrow only
+// where these do not fit, launch.cu's decode_mma_fits). A grid of one CTA an SM asks for more than half
 // an SM besides, within the device's limit.
 template <int D>
 constexpr size_t decode_max_smem(bool tma) {
@@ -121,14 +123,14 @@ constexpr size_t decode_max_smem(bool tma) {
 
 // What fits a block limit of `limit` bytes (0: unknown, take it as enough) at head size D, the one
 // rule that launch.cu (tensor cores or the generic kernel) and launch_decode_mma_d (which loader)
-// both follow: kFitsFourWarps, every loader the device may run; kFitsTwoWarps, only
-// kLoadCpAsyncTwoWarps (head sizes 96 and 128); kFitsNone, no configuration.
-enum DecodeSmemFit : int { kFitsFourWarps = 0, kFitsTwoWarps = 1, kFitsNone = 2 };
+// both follow: kFitsAll, every loader the device may run; kFitsNarrow, only kLoadCpAsyncNarrow
+// (head sizes 96, 128 and 256); kFitsNone, no configuration.
+enum DecodeSmemFit : int { kFitsAll = 0, kFitsNarrow = 1, kFitsNone = 2 };
 template <int D>
 constexpr DecodeSmemFit decode_smem_fit(bool tma, int limit) {
-  if (limit <= 0 || decode_max_smem<D>(tma) <= static_cast<size_t>(limit)) return kFitsFourWarps;
-  if constexpr (D == 96 || D == 128)
-    if (DecodeCfg<D, kLoadCpAsyncTwoWarps>::kSmem <= static_cast<size_t>(limit)) return kFitsTwoWarps;
+  if (limit <= 0 || decode_max_smem<D>(tma) <= static_cast<size_t>(limit)) return kFitsAll;
+  if constexpr (D == 96 || D == 128 || D == 256)
+    if (DecodeCfg<D, kLoadCpAsyncNarrow>::kSmem <= static_cast<size_t>(limit)) return kFitsNarrow;
   return kFitsNone;
 }
 

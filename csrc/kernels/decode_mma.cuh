@@ -1086,11 +1086,11 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   const int pinned = g_decode_loader.load(std::memory_order_relaxed);
   bool tma = pinned != kPinCpAsync && pinned != kPinCpAsyncShallow && pinned != kPinCpAsyncOneAhead &&
              sm90a_kernels_usable();
-  // Where a block cannot hold the four warps' stages (99 KB on sm86, sm89 and sm120; launch.cu
-  // sends head size 256 to the generic kernel there), two warps a CTA, whatever the pin.
-  if constexpr (D == 96 || D == 128) {
-    if (decode_smem_fit<D>(tma, device_smem_limit()) == kFitsTwoWarps)
-      return launch_decode_loader<T, D, kLoadCpAsyncTwoWarps>(p, w, fused, stream, maps);
+  // Where a block cannot hold the usual stages (99 KB on sm86, sm89 and sm120), fewer warps a
+  // CTA (two at 96 and 128, one at 256), whatever the pin.
+  if constexpr (D == 96 || D == 128 || D == 256) {
+    if (decode_smem_fit<D>(tma, device_smem_limit()) == kFitsNarrow)
+      return launch_decode_loader<T, D, kLoadCpAsyncNarrow>(p, w, fused, stream, maps);
   }
   // The maps' L2 promotion is Work::l2_fetch (auto 128 bytes, what the kernel's cp.async copies
   // and plain loads always ask for).

@@ -106,9 +106,9 @@ bool tensor_core_path(const Params& p) {
 // whichever loader and grid the launch then picks. Everything fits on sm90 (227 KB a block)
 // and sm80 (163 KB). Where a block may hold 99 KB (sm86, sm89, sm120), the four-warp cp.async
 // stages fit at head sizes 64 and 80; at 96 and 128 (107-108 KB) the launch takes two warps a
-// CTA instead (kLoadCpAsyncTwoWarps, 56 KB); at 256 two warps already take 108 KB, and those
-// calls run the generic kernel. (A grid of one CTA an SM asks for half an SM and 1 KB more,
-// within the limit: launch_decode_kernel.)
+// CTA instead (kLoadCpAsyncNarrow, 56 KB), and at 256, where two warps take 108 KB, one (59 KB).
+// Only a smaller block limit sends a call to the generic kernel. (A grid of one CTA an SM asks
+// for half an SM and 1 KB more, within the limit: launch_decode_kernel.)
 constexpr size_t kLargestDecodeSmem =
     std::max({detail::decode_max_smem<64>(true), detail::decode_max_smem<80>(true), detail::decode_max_smem<96>(true),
               detail::decode_max_smem<128>(true), detail::decode_max_smem<256>(true)});
