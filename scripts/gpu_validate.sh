@@ -12,6 +12,8 @@
 #   bash scripts/gpu_validate.sh bench   # the three decode tables alone, FlexAttention included
 #                                        # (GQA_BENCH_ARGS=--no-flex leaves it out), then
 #                                        # benchmarks/small_smem.py
+#   bash scripts/gpu_validate.sh smem    # the 99 KB GPUs' paths alone: their tests, memcheck and
+#                                        # racecheck over them, benchmarks/small_smem.py
 #
 # Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
 # (csrc/kernels/NOTES.md, "A full decode round on one H200 in one call"), and leaves one log
@@ -90,7 +92,22 @@ case ${1:-} in
     (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2>&1 \
       || status=1
     echo "== small_smem"; cat "$ROOT_OUT/small_smem.md" ;;
+  smem)
+    # The paths of GPUs with 99 KB of shared memory a block, imitated under a budget (stop 70 and
+    # after): their tests, then memcheck and racecheck over the decode ones in bf16, then their
+    # timings (benchmarks/small_smem.py). Logs straight under $ROOT_OUT.
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_other_gpus.py \
+      "tests/test_cuda.py::test_cuda_kernels_available_asks_about_the_device" > "$ROOT_OUT/other_gpus.log" 2>&1 || status=1
+    echo "== other_gpus tests"; tail -15 "$ROOT_OUT/other_gpus.log"
+    for tool in memcheck racecheck; do
+      timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_cuda_other_gpus.py -k "decode_under and bf16" > "$ROOT_OUT/other_gpus_$tool.log" 2>&1 || status=1
+      echo "== $tool"; grep -E "ERROR SUMMARY|passed|failed|error" "$ROOT_OUT/other_gpus_$tool.log" | tail -4
+    done
+    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2>&1 \
+      || status=1
+    echo "== small_smem"; cat "$ROOT_OUT/small_smem.md" ;;
   *)
-    echo "usage: bash scripts/gpu_validate.sh decode|rest|bench"; exit 2 ;;
+    echo "usage: bash scripts/gpu_validate.sh decode|rest|bench|smem"; exit 2 ;;
 esac
 exit $status
