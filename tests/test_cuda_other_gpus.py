@@ -76,6 +76,27 @@ def test_decode_under_a_99kb_budget(head_dim, dtype, op, features, smem_budget):
     assert len(codes) == 1 and codes[0] in LOADERS_AT_99KB[head_dim], names
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_decode_under_a_99kb_budget_more_rows_than_threads(head_dim, smem_budget):
+    """70 ragged rows in place: more rows than the narrow kernel's CTA has threads (64 at head
+    size 128, 32 at 256), where it keeps the rows in order instead of ranking them."""
+    smem_budget(SM86_BLOCK_BYTES)
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = torch.randint(0, 1500, (70,), generator=gen).tolist()
+
+    def make():
+        return make_case("inplace", batch=70, seq=1, num_heads=4, kv_num_heads=2, head_dim=head_dim,
+                         capacity=1600, past_lengths=lengths, dtype=torch.bfloat16, device="cuda")
+
+    run_and_check(make(), suite="cuda_small_smem")
+    torch.cuda.synchronize()
+    gqa_torch.check_errors()
+    names = _cuda_kernel_names(make().run)
+    if not names:
+        pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+    assert _decode_loader_codes(names, head_dim) == [9], names
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_prefill_under_a_99kb_budget(head_dim, dtype, smem_budget):
