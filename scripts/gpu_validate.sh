@@ -99,7 +99,7 @@ case ${1:-} in
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_other_gpus.py \
       "tests/test_cuda.py::test_cuda_kernels_available_asks_about_the_device" > "$ROOT_OUT/other_gpus.log" 2>&1 || status=1
     echo "== other_gpus tests"; tail -15 "$ROOT_OUT/other_gpus.log"
-    for tool in memcheck racecheck; do
+    for tool in ${GQA_SMEM_TOOLS-memcheck racecheck}; do
       timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_cuda_other_gpus.py -k "decode_under and (bf16 or more_rows)" > "$ROOT_OUT/other_gpus_$tool.log" 2>&1 || status=1
       echo "== $tool"; grep -E "ERROR SUMMARY|passed|failed|error" "$ROOT_OUT/other_gpus_$tool.log" | tail -4
