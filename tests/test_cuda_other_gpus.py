@@ -59,21 +59,43 @@ LOADERS_AT_99KB = {64: {0, 4}, 80: {0, 5}, 96: {9}, 128: {9}, 256: {9}}
 @pytest.mark.parametrize("head_dim", list(LOADERS_AT_99KB))
 def test_decode_under_a_99kb_budget(head_dim, dtype, op, features, smem_budget):
     """Decode with ragged rows, on the path a 99 KB GPU takes, against the float64 reference
-    (outputs poisoned first; caches and guard regions checked); then the kernel it ran."""
+    (outputs poisoned first; caches and guard regions checked)."""
     smem_budget(SM86_BLOCK_BYTES)
-
-    def make():
-        return make_case(op, batch=3, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=700,
-                         past_lengths=[650, 5, 301], dtype=DTYPES[dtype], device="cuda", **FEATURES[features])
-
-    run_and_check(make(), rotary_ulps=1, suite="cuda_small_smem")
+    run_and_check(_ragged_decode(head_dim, dtype, op, features), rotary_ulps=1, suite="cuda_small_smem")
     torch.cuda.synchronize()
     gqa_torch.check_errors()
-    names = _cuda_kernel_names(make().run)
+
+
+# The tests of which kernel ran are apart from those of what it computed, which run under
+# compute-sanitizer too, where the profiler records nothing.
+def _kernel_names_or_skip(run):
+    names = _cuda_kernel_names(run)
     if not names:  # (under compute-sanitizer, which keeps CUPTI from starting)
         pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+    return names
+
+
+def _ragged_decode(head_dim, dtype, op, features):
+    return make_case(op, batch=3, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=700,
+                     past_lengths=[650, 5, 301], dtype=DTYPES[dtype], device="cuda", **FEATURES[features])
+
+
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", list(LOADERS_AT_99KB))
+def test_decode_under_a_99kb_budget_takes_a_loader_that_fits(head_dim, dtype, features, smem_budget):
+    """The decode kernel that test_decode_under_a_99kb_budget's in-place call runs, by its loader."""
+    smem_budget(SM86_BLOCK_BYTES)
+    names = _kernel_names_or_skip(_ragged_decode(head_dim, dtype, "inplace", features).run)
     codes = _decode_loader_codes(names, head_dim)
     assert len(codes) == 1 and codes[0] in LOADERS_AT_99KB[head_dim], names
+
+
+def _many_ragged_rows(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = torch.randint(0, 1500, (70,), generator=gen).tolist()
+    return make_case("inplace", batch=70, seq=1, num_heads=4, kv_num_heads=2, head_dim=head_dim, capacity=1600,
+                     past_lengths=lengths, dtype=torch.bfloat16, device="cuda")
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -81,20 +103,25 @@ def test_decode_under_a_99kb_budget_more_rows_than_threads(head_dim, smem_budget
     """70 ragged rows in place: more rows than the narrow kernel's CTA has threads (64 at head
     size 128, 32 at 256), where it keeps the rows in order instead of ranking them."""
     smem_budget(SM86_BLOCK_BYTES)
-    gen = torch.Generator().manual_seed(head_dim)
-    lengths = torch.randint(0, 1500, (70,), generator=gen).tolist()
-
-    def make():
-        return make_case("inplace", batch=70, seq=1, num_heads=4, kv_num_heads=2, head_dim=head_dim,
-                         capacity=1600, past_lengths=lengths, dtype=torch.bfloat16, device="cuda")
-
-    run_and_check(make(), suite="cuda_small_smem")
+    run_and_check(_many_ragged_rows(head_dim), suite="cuda_small_smem")
     torch.cuda.synchronize()
     gqa_torch.check_errors()
-    names = _cuda_kernel_names(make().run)
-    if not names:
-        pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_decode_under_a_99kb_budget_more_rows_than_threads_runs_the_narrow_loader(head_dim, smem_budget):
+    """The kernel that the test above checks is the narrow one (loader code 9)."""
+    smem_budget(SM86_BLOCK_BYTES)
+    names = _kernel_names_or_skip(_many_ragged_rows(head_dim).run)
     assert _decode_loader_codes(names, head_dim) == [9], names
+
+
+def _prefill_cases(head_dim, dtype):
+    """A ragged first prompt with RoPE, and a windowed chunk after a past."""
+    return (make_case("functional", batch=2, seq=300, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=None,
+                      first_prompt=True, dtype=DTYPES[dtype], rotary="half", device="cuda"),
+            make_case("inplace", batch=2, seq=70, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=500,
+                      past_lengths=[400, 33], dtype=DTYPES[dtype], window=128, device="cuda"))
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -103,17 +130,19 @@ def test_prefill_under_a_99kb_budget(head_dim, dtype, smem_budget):
     """A ragged first prompt and a chunk after a past, on the mma.sync prefill (the kernel every
     GPU but sm90 runs), against the float64 reference."""
     smem_budget(SM86_BLOCK_BYTES)
-    for case in (make_case("functional", batch=2, seq=300, num_heads=8, kv_num_heads=2, head_dim=head_dim,
-                           capacity=None, first_prompt=True, dtype=DTYPES[dtype], rotary="half", device="cuda"),
-                 make_case("inplace", batch=2, seq=70, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=500,
-                           past_lengths=[400, 33], dtype=DTYPES[dtype], window=128, device="cuda")):
+    for case in _prefill_cases(head_dim, dtype):
         run_and_check(case, rotary_ulps=1, suite="cuda_small_smem")
         torch.cuda.synchronize()
         gqa_torch.check_errors()
-        names = _cuda_kernel_names(case.clone().run)
-        if not names:
-            pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
-        # (mma.sync configurations have four computing warps; the wgmma ones eight or twelve.)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_prefill_under_a_99kb_budget_runs_the_mma_sync_kernel(head_dim, smem_budget):
+    """The prefill kernel those cases run is an mma.sync configuration: four computing warps
+    (the wgmma ones have eight or twelve)."""
+    smem_budget(SM86_BLOCK_BYTES)
+    for case in _prefill_cases(head_dim, "bf16"):
+        names = _kernel_names_or_skip(case.run)
         warps = [int(m.group(1)) for n in names
                  for m in [re.search(r"prefill_mma_kernel<[^,<>]+,\s*[\w:]*Config<\d+,\s*(\d+),", n)
                            or re.search(r"prefill_mma_kernelI\w+?ConfigILi\d+ELi(\d+)E", n)] if m]
