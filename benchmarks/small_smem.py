@@ -3,11 +3,11 @@
 sm86, sm89 and sm120 GPUs (RTX 30xx/40xx/50xx, A10, L4, L40S) cannot hold the tensor-core decode
 kernel's usual cp.async stages at head sizes 96, 128 and 256, so they take fewer warps a CTA:
 two at 96 and 128, one at 256 (kernels/decode_cfg.cuh, decode_smem_fit). Under a shared-memory
-budget (gqa_torch._C._set_smem_limit, which also leaves the sm90a kernels out) an H200 runs those
-kernels; this times them, interleaved in one process, against the H200's own path, the generic
-kernel (a 50,000-byte budget, which no tensor-core configuration fits) and SDPA cuDNN. The H200's
-bandwidth is not an RTX's: read the ratios between columns, not the times, as what the narrow
-kernel buys over the generic one.
+budget (gqa_torch._C._set_smem_limit, which also leaves the sm90a kernels out) an H100 or H200
+runs those kernels; this times them, interleaved in one process, against the sm90 path, the
+generic kernel (a 50,000-byte budget, which no tensor-core configuration fits) and SDPA cuDNN.
+An H100's bandwidth is not an RTX's: read the ratios between columns, not the times, as what the
+narrow kernel buys over the generic one.
 
     python3 small_smem.py                       # the default shapes
     python3 small_smem.py --shapes 8x32x8x128x8192 1x32x8x256x8192
@@ -49,8 +49,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=15)
     args = parser.parse_args()
     warm_up_gpu(3.0)
-    print("| B | Hq/Hkv/D | L | H200 path µs | 99 KB path µs | generic µs | SDPA cuDNN µs "
-          "| generic / 99 KB path | 99 KB path / H200 path |")
+    print("| B | Hq/Hkv/D | L | sm90 path µs | 99 KB path µs | generic µs | SDPA cuDNN µs "
+          "| generic / 99 KB path | 99 KB path / sm90 path |")
     print("|---|---|---|---|---|---|---|---|---|")
     for text in args.shapes:
         b, hq, hkv, d, length, low = parse_decode_shape(text)
@@ -58,13 +58,13 @@ def main() -> None:
             raise SystemExit(f"--shapes: equal rows only here, got {text}")
         n = sets_for_bytes(2 * b * hkv * length * d * 2)
         qs, ks, vs, ours = decode_inputs(b, hq, hkv, d, length, n, DTYPE)
-        steps = {"h200": ours, "sm86": under_budget(ours, SM86_BLOCK_BYTES),
+        steps = {"sm90": ours, "sm86": under_budget(ours, SM86_BLOCK_BYTES),
                  "generic": under_budget(ours, GENERIC_ONLY_BYTES),
                  "cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qs, ks, vs)}
         t = time_graphs_interleaved(steps, n, args.replays)
         progress(f"B{b} {hq}/{hkv}/{d} L{length}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
-        print(f"| {b} | {hq}/{hkv}/{d} | {length} | {t['h200']:.1f} | {t['sm86']:.1f} | {t['generic']:.1f} | "
-              f"{t['cudnn']:.1f} | {t['generic'] / t['sm86']:.2f} | {t['sm86'] / t['h200']:.2f} |", flush=True)
+        print(f"| {b} | {hq}/{hkv}/{d} | {length} | {t['sm90']:.1f} | {t['sm86']:.1f} | {t['generic']:.1f} | "
+              f"{t['cudnn']:.1f} | {t['generic'] / t['sm86']:.2f} | {t['sm86'] / t['sm90']:.2f} |", flush=True)
         del qs, ks, vs, ours, steps
         torch.cuda.empty_cache()
 

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_validate.sh decode  # every non-prefill test of the five decode files in 13
 #                                        # processes (250 s in stop 68), then memcheck, racecheck
 #                                        # and synccheck over 172 tests, side by side
-#   bash scripts/gpu_validate.sh rest    # the prefill GPU tests in six processes beside the
+#   bash scripts/gpu_validate.sh rest    # the prefill GPU tests in seven processes beside the
 #                                        # other test files (the CUDA fuzz, parity, torch
 #                                        # integration, soak and concurrency, ORT)
 #   bash scripts/gpu_validate.sh bench   # the three decode tables alone, FlexAttention included
@@ -50,10 +50,11 @@ DECODE_SPLIT+=";decode_shares and (fewer_items or twice);ragged_batch_row_orders
 DECODE_SPLIT+=";equal_rows and not decode_shares;bad_row and not decode_shares and (64 or 80)"
 DECODE_SPLIT+=";bad_row and not decode_shares and not (64 or 80);error or l2_fetch;decode_loaders;head_size_64"
 DECODE_SPLIT+=";head_size and not head_size_64"
-# The prefill tests of test_cuda.py in six processes (the last takes what no term matches).
-# Stop 68: same_bits and many_blocks in one process (304 tests) did not finish in 340 s.
+# The prefill tests of test_cuda.py in seven processes (the last takes what no term matches).
+# Stop 68: same_bits and many_blocks in one process (304 tests) did not finish in 340 s; stop 72:
+# many_blocks alone (144) did not on an H100, and each half took 182-185 s.
 PREFILL_SPLIT="prefill_routes and fp16;prefill_routes and bf16;prefill_kernel_append"
-PREFILL_SPLIT+=";prefill_route_same_bits;prefill_many_blocks"
+PREFILL_SPLIT+=";prefill_route_same_bits;prefill_many_blocks and fp16;prefill_many_blocks and bf16"
 OTHER_FILES="tests/test_fuzz.py tests/test_parity.py tests/test_torch_integration.py tests/test_soak_concurrency.py"
 OTHER_FILES+=" tests/test_ort.py tests/test_harness.py tests/test_fast_div.py tests/test_autograd.py"
 OTHER_FILES+=" tests/test_cpu_output_cache.py tests/test_cuda_other_gpus.py"
@@ -89,7 +90,7 @@ case ${1:-} in
     # (36 s without Flex in stop 68).
     GQA_BENCH_ARGS=${GQA_BENCH_ARGS:-} GQA_BENCH_TIMEOUT=${GQA_BENCH_TIMEOUT:-560} part bench bench || status=1
     # Then the decode path of a 99 KB GPU, imitated under a budget (six shapes; not yet timed).
-    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2>&1 \
+    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2> "$ROOT_OUT/small_smem.log" \
       || status=1
     echo "== small_smem"; cat "$ROOT_OUT/small_smem.md" ;;
   smem)
@@ -108,7 +109,7 @@ case ${1:-} in
         > "$ROOT_OUT/other_gpus_$tool.log" 2>&1 || status=1
       echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|error" "$ROOT_OUT/other_gpus_$tool.log" | tail -4
     done
-    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2>&1 \
+    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2> "$ROOT_OUT/small_smem.log" \
       || status=1
     echo "== small_smem"; cat "$ROOT_OUT/small_smem.md" ;;
   *)
