@@ -53,19 +53,6 @@ FEATURES = {
 LOADERS_AT_99KB = {64: {0, 4}, 80: {0, 5}, 96: {9}, 128: {9}, 256: {9}}
 
 
-@pytest.mark.parametrize("features", list(FEATURES))
-@pytest.mark.parametrize("op", ["inplace", "functional"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", list(LOADERS_AT_99KB))
-def test_decode_under_a_99kb_budget(head_dim, dtype, op, features, smem_budget):
-    """Decode with ragged rows, on the path a 99 KB GPU takes, against the float64 reference
-    (outputs poisoned first; caches and guard regions checked)."""
-    smem_budget(SM86_BLOCK_BYTES)
-    run_and_check(_ragged_decode(head_dim, dtype, op, features), rotary_ulps=1, suite="cuda_small_smem")
-    torch.cuda.synchronize()
-    gqa_torch.check_errors()
-
-
 # The tests of which kernel ran are apart from those of what it computed, which run under
 # compute-sanitizer too, where the profiler records nothing.
 def _kernel_names_or_skip(run):
@@ -81,12 +68,26 @@ def _ragged_decode(head_dim, dtype, op, features):
 
 
 @pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("op", ["inplace", "functional"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", list(LOADERS_AT_99KB))
-def test_decode_under_a_99kb_budget_takes_a_loader_that_fits(head_dim, dtype, features, smem_budget):
-    """The decode kernel that test_decode_under_a_99kb_budget's in-place call runs, by its loader."""
+def test_decode_under_a_99kb_budget(head_dim, dtype, op, features, smem_budget):
+    """Decode with ragged rows, on the path a 99 KB GPU takes, against the float64 reference
+    (outputs poisoned first; caches and guard regions checked)."""
     smem_budget(SM86_BLOCK_BYTES)
-    names = _kernel_names_or_skip(_ragged_decode(head_dim, dtype, "inplace", features).run)
+    run_and_check(_ragged_decode(head_dim, dtype, op, features), rotary_ulps=1, suite="cuda_small_smem")
+    torch.cuda.synchronize()
+    gqa_torch.check_errors()
+
+
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("op", ["inplace", "functional"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", list(LOADERS_AT_99KB))
+def test_decode_under_a_99kb_budget_takes_a_loader_that_fits(head_dim, dtype, op, features, smem_budget):
+    """The decode kernel that test_decode_under_a_99kb_budget's call runs, by its loader."""
+    smem_budget(SM86_BLOCK_BYTES)
+    names = _kernel_names_or_skip(_ragged_decode(head_dim, dtype, op, features).run)
     codes = _decode_loader_codes(names, head_dim)
     assert len(codes) == 1 and codes[0] in LOADERS_AT_99KB[head_dim], names
 
@@ -136,12 +137,13 @@ def test_prefill_under_a_99kb_budget(head_dim, dtype, smem_budget):
         gqa_torch.check_errors()
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_prefill_under_a_99kb_budget_runs_the_mma_sync_kernel(head_dim, smem_budget):
+def test_prefill_under_a_99kb_budget_runs_the_mma_sync_kernel(head_dim, dtype, smem_budget):
     """The prefill kernel those cases run is an mma.sync configuration: four computing warps
     (the wgmma ones have eight or twelve)."""
     smem_budget(SM86_BLOCK_BYTES)
-    for case in _prefill_cases(head_dim, "bf16"):
+    for case in _prefill_cases(head_dim, dtype):
         names = _kernel_names_or_skip(case.run)
         warps = [int(m.group(1)) for n in names
                  for m in [re.search(r"prefill_mma_kernel<[^,<>]+,\s*[\w:]*Config<\d+,\s*(\d+),", n)
