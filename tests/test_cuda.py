@@ -707,9 +707,7 @@ def _check_decode_and_its_loader(head_dim, code, context, **shape):
         _run_cuda_and_cpu(case)
     # (After every correctness check, which compute-sanitizer runs too.)
     for case in cases:
-        names = _cuda_kernel_names(lambda: case.to("cuda").run())
-        if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
-            pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+        names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
         assert _decode_loader_codes(names, head_dim) == [code], (context, names)
 
 
@@ -1456,6 +1454,16 @@ def _cuda_kernel_names(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def _cuda_kernel_names_or_skip(call):
+    """_cuda_kernel_names(call), or a skip where the profiler records none: under
+    compute-sanitizer, which keeps CUPTI from starting (the tests of which kernel ran are kept
+    apart from those of what it computed, so that the sanitizers run the latter whole)."""
+    names = _cuda_kernel_names(call)
+    if not names:
+        pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+    return names
+
+
 @contextlib.contextmanager
 def _decode_pinned(merge="auto", max_splits=0, min_split_keys=0, schedule="auto"):
     """The decode merge, row order and the plan's split counts pinned inside the block (0: the
@@ -1505,9 +1513,7 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge, spli
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
     in_launch = merge == "arrival" or (merge == "auto" and splits <= 16)
     with _decode_pinned(merge, splits):
-        names = _cuda_kernel_names(lambda: case.clone().run())
-    if not names:  # seen under compute-sanitizer, which keeps CUPTI from starting
-        pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
+        names = _cuda_kernel_names_or_skip(lambda: case.clone().run())
     assert any("decode_mma_kernel" in n for n in names), names
     assert any("merge_kernel" in n for n in names) == (not in_launch), names
 

@@ -24,7 +24,7 @@ import torch
 
 import gqa_torch
 from conftest import DTYPES, make_case, requires_cuda, run_and_check
-from test_cuda import _cuda_kernel_names, _decode_loader_codes
+from test_cuda import _cuda_kernel_names_or_skip, _decode_loader_codes
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -53,15 +53,6 @@ FEATURES = {
 LOADERS_AT_99KB = {64: {0, 4}, 80: {0, 5}, 96: {9}, 128: {9}, 256: {9}}
 
 
-# The tests of which kernel ran are apart from those of what it computed, which run under
-# compute-sanitizer too, where the profiler records nothing.
-def _kernel_names_or_skip(run):
-    names = _cuda_kernel_names(run)
-    if not names:  # (under compute-sanitizer, which keeps CUPTI from starting)
-        pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
-    return names
-
-
 def _ragged_decode(head_dim, dtype, op, features):
     return make_case(op, batch=3, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=700,
                      past_lengths=[650, 5, 301], dtype=DTYPES[dtype], device="cuda", **FEATURES[features])
@@ -87,7 +78,7 @@ def test_decode_under_a_99kb_budget(head_dim, dtype, op, features, smem_budget):
 def test_decode_under_a_99kb_budget_takes_a_loader_that_fits(head_dim, dtype, op, features, smem_budget):
     """The decode kernel that test_decode_under_a_99kb_budget's call runs, by its loader."""
     smem_budget(SM86_BLOCK_BYTES)
-    names = _kernel_names_or_skip(_ragged_decode(head_dim, dtype, op, features).run)
+    names = _cuda_kernel_names_or_skip(_ragged_decode(head_dim, dtype, op, features).run)
     codes = _decode_loader_codes(names, head_dim)
     assert len(codes) == 1 and codes[0] in LOADERS_AT_99KB[head_dim], names
 
@@ -113,7 +104,7 @@ def test_decode_under_a_99kb_budget_more_rows_than_threads(head_dim, smem_budget
 def test_decode_under_a_99kb_budget_more_rows_than_threads_runs_the_narrow_loader(head_dim, smem_budget):
     """The kernel that the test above checks is the narrow one (loader code 9)."""
     smem_budget(SM86_BLOCK_BYTES)
-    names = _kernel_names_or_skip(_many_ragged_rows(head_dim).run)
+    names = _cuda_kernel_names_or_skip(_many_ragged_rows(head_dim).run)
     assert _decode_loader_codes(names, head_dim) == [9], names
 
 
@@ -144,7 +135,7 @@ def test_prefill_under_a_99kb_budget_runs_the_mma_sync_kernel(head_dim, dtype, s
     (the wgmma ones have eight or twelve)."""
     smem_budget(SM86_BLOCK_BYTES)
     for case in _prefill_cases(head_dim, dtype):
-        names = _kernel_names_or_skip(case.run)
+        names = _cuda_kernel_names_or_skip(case.run)
         warps = [int(m.group(1)) for n in names
                  for m in [re.search(r"prefill_mma_kernel<[^,<>]+,\s*[\w:]*Config<\d+,\s*(\d+),", n)
                            or re.search(r"prefill_mma_kernelI\w+?ConfigILi\d+ELi(\d+)E", n)] if m]
