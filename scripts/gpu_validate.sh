@@ -14,6 +14,8 @@
 #                                        # benchmarks/small_smem.py
 #   bash scripts/gpu_validate.sh smem    # the 99 KB GPUs' paths alone: their tests, memcheck and
 #                                        # racecheck over them, benchmarks/small_smem.py
+#   bash scripts/gpu_validate.sh grid    # bench, then smem's tests and sanitizers: one call
+#                                        # (101 s with GQA_BENCH_ARGS=--no-flex in stop 73)
 #
 # Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
 # (csrc/kernels/NOTES.md, "A full decode round on one H200 in one call"), and leaves one log
@@ -68,6 +70,41 @@ SANITIZE_K="(decode_loaders and inplace and bf16) or (decode and bad_row and bf1
 SANITIZE_K+=" or (parity_grid and decode) or (merge_kernel_many_splits and bf16)"
 SANITIZE_K+=" or prefill_kernel_append[wgmma_ws_kv_pipe-128-bf16-300] or prefill_kernel_append[mma-128-bf16-300]"
 
+# The three decode tables, alone on the GPU. FlexAttention compiles each shape first, up to
+# bench_decode.py's --flex-budget (240 s) of compiling and timing; GQA_BENCH_TIMEOUT bounds the
+# whole run (36 s without Flex in stop 68).
+decode_tables() {
+  GQA_BENCH_ARGS=${GQA_BENCH_ARGS:-} GQA_BENCH_TIMEOUT=${GQA_BENCH_TIMEOUT:-560} part bench bench
+}
+
+# The decode path of a 99 KB GPU, imitated under a budget on this one (six shapes).
+small_smem_timings() {
+  local rc=0
+  (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2> "$ROOT_OUT/small_smem.log" \
+    || rc=1
+  echo "== small_smem"; cat "$ROOT_OUT/small_smem.md"
+  return $rc
+}
+
+# The paths of GPUs with 99 KB of shared memory a block, imitated under a budget (stop 70 and
+# after): their tests, then memcheck and racecheck over their bf16 ones. Logs straight under
+# $ROOT_OUT.
+small_smem_checks() {
+  local rc=0
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_other_gpus.py \
+    "tests/test_cuda.py::test_cuda_kernels_available_asks_about_the_device" > "$ROOT_OUT/other_gpus.log" 2>&1 || rc=1
+  echo "== other_gpus tests"; tail -15 "$ROOT_OUT/other_gpus.log"
+  # The tests of what the kernels compute, in bf16: those of which kernel ran need the profiler,
+  # which records nothing under a sanitizer, and ran in the pytest run before.
+  local k="99kb_budget and not (takes_a_loader or runs_the) and (bf16 or more_rows)"
+  for tool in ${GQA_SMEM_TOOLS-memcheck racecheck}; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -rs \
+      tests/test_cuda_other_gpus.py -k "$k" > "$ROOT_OUT/other_gpus_$tool.log" 2>&1 || rc=1
+    echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|error" "$ROOT_OUT/other_gpus_$tool.log" | tail -4
+  done
+  return $rc
+}
+
 case ${1:-} in
   decode)
     GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
@@ -85,34 +122,17 @@ case ${1:-} in
       GQA_TESTS="$OTHER_FILES" part other_tests checks || status=1
     wait $prefill || status=1 ;;
   bench)
-    # Alone on the GPU. FlexAttention compiles each shape first, up to bench_decode.py's
-    # --flex-budget (240 s) of compiling and timing; GQA_BENCH_TIMEOUT bounds the whole run
-    # (36 s without Flex in stop 68).
-    GQA_BENCH_ARGS=${GQA_BENCH_ARGS:-} GQA_BENCH_TIMEOUT=${GQA_BENCH_TIMEOUT:-560} part bench bench || status=1
-    # Then the decode path of a 99 KB GPU, imitated under a budget (six shapes; not yet timed).
-    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2> "$ROOT_OUT/small_smem.log" \
-      || status=1
-    echo "== small_smem"; cat "$ROOT_OUT/small_smem.md" ;;
+    decode_tables || status=1
+    small_smem_timings || status=1 ;;
   smem)
-    # The paths of GPUs with 99 KB of shared memory a block, imitated under a budget (stop 70 and
-    # after): their tests, then memcheck and racecheck over their bf16 ones, then their
-    # timings (benchmarks/small_smem.py). Logs straight under $ROOT_OUT.
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_other_gpus.py \
-      "tests/test_cuda.py::test_cuda_kernels_available_asks_about_the_device" > "$ROOT_OUT/other_gpus.log" 2>&1 || status=1
-    echo "== other_gpus tests"; tail -15 "$ROOT_OUT/other_gpus.log"
-    # The tests of what the kernels compute, in bf16: those of which kernel ran skip there (the
-    # profiler records nothing under a sanitizer), and ran in the pytest run before.
-    SMEM_SANITIZE_K="99kb_budget and not (takes_a_loader or runs_the) and (bf16 or more_rows)"
-    for tool in ${GQA_SMEM_TOOLS-memcheck racecheck}; do
-      timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -rs \
-        tests/test_cuda_other_gpus.py -k "$SMEM_SANITIZE_K" \
-        > "$ROOT_OUT/other_gpus_$tool.log" 2>&1 || status=1
-      echo "== $tool"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|error" "$ROOT_OUT/other_gpus_$tool.log" | tail -4
-    done
-    (cd benchmarks && PYTHONPATH=$PWD/.. timeout 200 python3 small_smem.py) > "$ROOT_OUT/small_smem.md" 2> "$ROOT_OUT/small_smem.log" \
-      || status=1
-    echo "== small_smem"; cat "$ROOT_OUT/small_smem.md" ;;
+    small_smem_checks || status=1
+    small_smem_timings || status=1 ;;
+  grid)
+    # Stop 73's one H200 call (101 s with --no-flex): the tables, then the 99 KB paths' checks.
+    decode_tables || status=1
+    small_smem_timings || status=1
+    small_smem_checks || status=1 ;;
   *)
-    echo "usage: bash scripts/gpu_validate.sh decode|rest|bench|smem"; exit 2 ;;
+    echo "usage: bash scripts/gpu_validate.sh decode|rest|bench|smem|grid"; exit 2 ;;
 esac
 exit $status
