@@ -28,8 +28,8 @@ POWER_CAP_BIT = 0x4
 
 
 def sample_while(run, seconds: float) -> tuple:
-    """(seconds the GPU work took, nvidia-smi samples [(watts, sm MHz, reasons)]) of `run(deadline)`,
-    sampled every 100 ms while it runs."""
+    """(seconds the work took, the replays `run(deadline)` made, nvidia-smi's samples as
+    [(watts, SM MHz, throttle reasons)]) of `run`, sampled every 100 ms while it runs."""
     smi = subprocess.Popen(
         ["nvidia-smi", "--query-gpu=power.draw,clocks.sm,clocks_throttle_reasons.active",
          "--format=csv,noheader,nounits", "-lms", "100"],
@@ -48,7 +48,7 @@ def sample_while(run, seconds: float) -> tuple:
             samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
         except (ValueError, IndexError):
             continue
-    # Drop the samples taken before the work began and after it ended (about 3 at each end).
+    # Drop the samples taken before the work began (the 0.3 s above) and as it ended.
     return elapsed, replays, samples[3:-2] if len(samples) > 8 else samples
 
 
