@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gqa_torch
-from common import (HBM_DATASHEET_TBS, bar_plot, decode_inputs, measure_hbm_read_tbs, progress, ragged_lengths,
+from common import (HBM_DATASHEET_TBS, GpuClockSampler, bar_plot, decode_inputs, measure_hbm_read_tbs, progress, ragged_lengths,
                     sets_for_bytes, time_graph, time_graphs_interleaved, warm_up_gpu, write_tables)
 
 DECODE_GRID = [  # B, Hq, Hkv, D, L
@@ -116,7 +116,10 @@ def decode_table(args):
                                        (gqa_torch._C._set_decode_l2_fetch, FETCH_COLUMNS, "fetch_")):
             for value in values:
                 steps[prefix + value] = pinned(ours, switch, value)
+        timing_began = time.monotonic()
         times = time_graphs_interleaved(steps, n)
+        clocks = args.clocks.window(timing_began, time.monotonic())
+        del clocks["median_sm_MHz"]
         t_ours, t_flash, t_cudnn = times.pop("ours"), times.pop("flash"), times.pop("cudnn")
         t_loader = times
         t_flex = float("nan")
@@ -132,13 +135,14 @@ def decode_table(args):
                    speedup_vs_best=best / t_ours, TBps=kv_bytes / t_ours / 1e6,
                    pct_of_4_8TBps=100 * kv_bytes / t_ours / 1e6 / HBM_DATASHEET_TBS,
                    target=("1.3x" if latency_bound(b, hq, hkv, d, length) else
-                           ("90% HBM" if kv_bytes >= 1e9 else "1.0x")))
+                           ("90% HBM" if kv_bytes >= 1e9 else "1.0x")), **clocks)
         row["meets_target"] = (row["speedup_vs_best"] >= (1.3 if row["target"] == "1.3x" else 1.0)
                                and (row["pct_of_4_8TBps"] >= 90 or row["target"] != "90% HBM"))
         others = ", ".join(f"{k} {t:.1f}" for k, t in t_loader.items())
         progress(f"    ours {t_ours:.1f} us ({others}) | flash {t_flash:.1f} | "
                  f"cudnn {t_cudnn:.1f} | flex {t_flex:.1f} | {row['speedup_vs_best']:.2f}x best SDPA, "
-                 f"{row['TBps']:.2f} TB/s")
+                 f"{row['TBps']:.2f} TB/s | SM clock down to {clocks['min_sm_MHz']:.0f} MHz, "
+                 f"power-capped {clocks['power_capped_pct']:.0f}% of the time")
         rows.append(row)
         del qs, ks, vs, ours, steps
         torch.cuda.empty_cache()
@@ -256,6 +260,9 @@ def main():
     args = parser.parse_args()
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
+    # The decode rows' columns mean_W, min_sm_MHz and power_capped_pct: the GPU's state while
+    # each row was timed (nan without nvidia-smi).
+    args.clocks = GpuClockSampler()
     warm_up_gpu()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16",
                 timing="median of CUDA-graph replays, inputs rotated beyond L2")
@@ -269,7 +276,8 @@ def main():
                 *[f"schedule_{k}_us" for k in SCHEDULE_COLUMNS], *[f"features_{k}_us" for k in FEATURE_COLUMNS],
                 *[f"early_{k}_us" for k in EARLY_COLUMNS], *[f"l2_{k}_us" for k in L2_COLUMNS],
                 *[f"fetch_{k}_us" for k in FETCH_COLUMNS], "sdpa_flash_us", "sdpa_cudnn_us", "flex_us",
-                "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target"]
+                "speedup_vs_best", "TBps", "pct_of_4_8TBps", "target", "meets_target", "mean_W",
+                "min_sm_MHz", "power_capped_pct"]
         out.append(write_tables("decode", meta, rows, cols, "Decode attention (append + attention), bf16"))
         bar_plot("decode", [f"B{r['B']} {r['heads']} L{r['L']}" for r in rows],
                  {"gqa_torch": [r["ours_us"] for r in rows], "SDPA flash": [r["sdpa_flash_us"] for r in rows],
@@ -286,6 +294,7 @@ def main():
         rows = step_table()
         cols = ["B", "capacity", "length", "ours_us", "hf_step_us", "speedup"]
         out.append(write_tables("decode_step", meta, rows, cols, "Full decode step vs HF StaticCache step"))
+    args.clocks.close()
     print("\n".join(out))
 
 

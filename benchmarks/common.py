@@ -11,7 +11,9 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -218,6 +220,61 @@ def warm_up_gpu(seconds: float = 2.0) -> None:
         torch.cuda.synchronize()
     del a, out
     torch.cuda.empty_cache()
+
+
+class GpuClockSampler:
+    """nvidia-smi's power draw, SM clock and throttle reasons, sampled every `interval_ms` in the
+    background for the life of the benchmark, so that each table row can say whether the GPU ran
+    at its power cap meanwhile (stop 73: an H200 at its 700 W cap ran the SM clock at 1,410-1,965
+    MHz through a 16 ms row, and copies of one call read 9% apart). Where nvidia-smi is missing
+    or fails, `window` reports nan and the benchmark goes on."""
+
+    POWER_CAP_BIT = 0x4  # clocks_throttle_reasons.active: the software power cap
+
+    def __init__(self, interval_ms: int = 200):
+        self.samples: List[Tuple[float, float, float, int]] = []  # (monotonic s, W, SM MHz, reasons)
+        self._proc = None
+        command = ["nvidia-smi", "--query-gpu=power.draw,clocks.sm,clocks_throttle_reasons.active",
+                   "--format=csv,noheader,nounits", "-lms", str(interval_ms)]
+        try:  # this process's GPU by its UUID (CUDA_VISIBLE_DEVICES renumbers the indices)
+            command += ["-i", f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"]
+        except (AttributeError, RuntimeError, AssertionError):
+            pass  # one line a GPU then; on a machine of one GPU the same
+        try:
+            self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            time.sleep(0.5)
+            if self._proc.poll() is not None and "-i" in command:  # the UUID not taken: every GPU
+                self._proc = subprocess.Popen(command[:-2], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                              text=True)
+        except OSError:
+            self._proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            parts = [x.strip() for x in line.split(",")]
+            try:
+                self.samples.append((time.monotonic(), float(parts[0]), float(parts[1]), int(parts[2], 16)))
+            except (ValueError, IndexError):
+                continue
+
+    def window(self, start: float, end: float) -> Dict[str, float]:
+        """Over the samples taken between monotonic times `start` and `end`: the mean board power
+        (W), the lowest and the median SM clock (MHz) and the share of samples (%) with the power
+        cap active; nan where there are none."""
+        inside = [s for s in list(self.samples) if start <= s[0] <= end]
+        if not inside:
+            return {"mean_W": float("nan"), "min_sm_MHz": float("nan"), "median_sm_MHz": float("nan"),
+                    "power_capped_pct": float("nan")}
+        capped = sum(1 for s in inside if s[3] & self.POWER_CAP_BIT)
+        return {"mean_W": statistics.mean(s[1] for s in inside), "min_sm_MHz": min(s[2] for s in inside),
+                "median_sm_MHz": statistics.median(s[2] for s in inside),
+                "power_capped_pct": 100.0 * capped / len(inside)}
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
 
 
 def measure_hbm_read_tbs() -> float:
