@@ -581,6 +581,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(a));
 }
 
+// The transpose of an 8x8 matrix of 16-bit elements held as an mma fragment (each thread two
+// neighbours of a row), into the same fragment layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // How much L2 fetches from memory around a decode TMA copy (Work::l2_fetch, the maps' L2
 // promotion): the sectors asked for, or the aligned 128- or 256-byte block.
 enum L2Fetch : int { kL2FetchSectors = 0, kL2Fetch128 = 1, kL2Fetch256 = 2 };

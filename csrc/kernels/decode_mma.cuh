@@ -104,7 +104,7 @@ __device__ __forceinline__ void l2_prefetch_rows(const T* src, int rows, int64_t
 // kShares (Work::shares): each CTA walks the segments of its share of the batch's keys
 // (shares_walk), running the body below once a segment; built only for the TMA loader at head
 // size 128 (launch_decode_kernel).
-template <typename T, int D, int kLoader, bool kPlain, bool kShares = false>
+template <typename T, int D, int kLoader, bool kPlain, bool kShares = false, bool kKeysM = false>
 __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
                       const __grid_constant__ DecodeCacheMaps maps) {
@@ -636,7 +636,15 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   __syncthreads();
   decode_stamp(w, kDtQReady, 0, segment_index);
 
-  uint32_t qa[Cfg::kQInRegs ? D / 16 : 1][4];
+  // kKeysM (G <= 8, D <= 128, every loader but kRegK: decode_keys_as_rows_built): the tile's keys
+  // are the mma's 16 rows and the query heads its 8 columns, S^T = K Q^T and O^T += V^T P^T, so
+  // that no mma multiplies padding rows (heads as the rows pad G to 16: half of every mma at G = 8,
+  // three quarters at G = 4). Q^T is then the B operand: qb[k-step] = Q[head g][2q..],
+  // Q[head g][8 + 2q..]. A kernel of its own: both forms in one kernel kept the larger form's
+  // registers and code, and cost the B = 1 rows 2-7% (stop 77, keys_as_m_g8.patch).
+  static_assert(!kKeysM || (!kRegK && D <= 128), "keys as the mma rows: D <= 128, K not in registers");
+  uint32_t qa[!kKeysM && Cfg::kQInRegs ? D / 16 : 1][4];
+  uint32_t qb[kKeysM && Cfg::kQInRegs ? D / 16 : 1][2];
   if constexpr (kRegK) {  // in the K fragments' column order (load_k)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -646,14 +654,25 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       qa[kk][2] = *reinterpret_cast<const uint32_t*>(q0 + 2);
       qa[kk][3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * kStride + 2);
     }
+  } else if constexpr (kKeysM && Cfg::kQInRegs) {
+    const T* const q_row = q_s + (lane >> 2) * kStride + 2 * (lane & 3);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qb[kk][0] = *reinterpret_cast<const uint32_t*>(q_row + kk * 16);
+      qb[kk][1] = *reinterpret_cast<const uint32_t*>(q_row + kk * 16 + 8);
+    }
   } else if constexpr (Cfg::kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[kk], q_s + (lane & 15) * kStride + kk * 16 + (lane >> 4) * 8);
   }
 
-  float o[D / 8][4];
+  // O (heads as the rows: [16 heads x D] in n-tiles of 8 columns), or kKeysM O^T ([D x 8 heads]
+  // in m-tiles of 16 rows: o[t] = O[head 2q][16 t + g], O[2q + 1][16 t + g], then the same at
+  // 16 t + g + 8).
+  constexpr int kOTiles = kKeysM ? D / 16 : D / 8;
+  float o[kOTiles][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_r[2] = {-INFINITY, -INFINITY};
   float l_r[2] = {0.f, 0.f};
   const float scale_l2 = p.scale * kLog2e;
@@ -662,6 +681,102 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // gave 0 * inf = NaN.
   const float cap_k =
       softcap > 0.f ? copysignf(fminf(fabsf(p.scale) / softcap, 3.4028234663852886e38f), p.scale) : 0.f;
+
+  // kKeysM: this warp's keys of the tile in `stage` (the first at t0 + kw), in 16-key halves.
+  // S^T[16 keys x 8 heads] = K Q^T takes the K rows' ldmatrix as the A operand; P^T, moved into
+  // the B operand's layout by an 8x8 transpose of each half, multiplies V^T (the V rows'
+  // transposing ldmatrix as the A operand). m_r, l_r and the corrections are per head: heads 2q
+  // and 2q + 1 of each lane, reduced over the lanes' key rows (g).
+  auto keys_m_tile = [&](const int tile, const int stage, const int t0) {
+    constexpr int kHalves = kSliceKeys / 16;
+    constexpr bool kTwoChains = D >= 128;  // as below: two chains of D / 32 mmas a score
+    float st[kHalves][4], st_odd[kHalves][4];
+#pragma unroll
+    for (int hf = 0; hf < kHalves; ++hf) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[hf][e] = st_odd[hf][e] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t b0, b1;
+      if constexpr (kKeysM && Cfg::kQInRegs) {
+        b0 = qb[kk][0];
+        b1 = qb[kk][1];
+      } else {
+        const T* const q_row = q_s + (lane >> 2) * kStride + kk * 16 + 2 * (lane & 3);
+        b0 = *reinterpret_cast<const uint32_t*>(q_row);
+        b1 = *reinterpret_cast<const uint32_t*>(q_row + 8);
+      }
+#pragma unroll
+      for (int hf = 0; hf < kHalves; ++hf) {
+        uint32_t k4[4];  // keys 0-7 x d 0-7, keys 0-7 x d 8-15, keys 8-15 x d 0-7, keys 8-15 x d 8-15
+        ldmatrix_x4(k4, slice_chunk(stage, false, hf * 16 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
+        const uint32_t ka[4] = {k4[0], k4[2], k4[1], k4[3]};
+        mma16816<T>(kTwoChains && (kk & 1) ? st_odd[hf] : st[hf], ka, b0, b1);
+      }
+    }
+    const bool need_mask = t0 + kw + kSliceKeys > k1;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int hf = 0; hf < kHalves; ++hf) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = kTwoChains ? st[hf][e] + st_odd[hf][e] : st[hf][e];
+        if (softcap > 0.f) {
+          x = softcap * tanhf(x * cap_k) * kLog2e;
+        } else {
+          x *= scale_l2;
+        }
+        if (need_mask && t0 + kw + hf * 16 + (lane >> 2) + (e >> 1) * 8 >= k1) x = -INFINITY;
+        st[hf][e] = x;
+        mx[e & 1] = fmaxf(mx[e & 1], x);
+      }
+    }
+    float mu[2], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 8));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 16));
+      const float mn = fmaxf(m_r[r], mx[r]);
+      mu[r] = mn == -INFINITY ? 0.f : mn;
+      corr[r] = fast_exp2(m_r[r] - mu[r]);
+      m_r[r] = mn;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int hf = 0; hf < kHalves; ++hf) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = fast_exp2(st[hf][e] - mu[e & 1]);
+        st[hf][e] = pe;
+        rs[e & 1] += pe;
+      }
+    }
+    l_r[0] = l_r[0] * corr[0] + rs[0];
+    l_r[1] = l_r[1] * corr[1] + rs[1];
+    if (tile > 0 && __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {  // (O is zero at the first)
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i) {
+        o[i][0] *= corr[0];
+        o[i][1] *= corr[1];
+        o[i][2] *= corr[0];
+        o[i][3] *= corr[1];
+      }
+    }
+#pragma unroll
+    for (int hf = 0; hf < kHalves; ++hf) {
+      const uint32_t pb0 = movmatrix_trans(pack2<T>(st[hf][0], st[hf][1]));  // P[keys 2q, 2q + 1][head g]
+      const uint32_t pb1 = movmatrix_trans(pack2<T>(st[hf][2], st[hf][3]));  // the same 8 keys on
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t v4[4];  // (V^T) d 0-7 x keys 0-7, d 0-7 x keys 8-15, d 8-15 x keys 0-7, d 8-15 x keys 8-15
+        ldmatrix_x4_trans(v4, slice_chunk(stage, true, hf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), dn * 2 + (lane >> 4)));
+        const uint32_t va[4] = {v4[0], v4[2], v4[1], v4[3]};
+        mma16816<T>(o[dn], va, pb0, pb1);
+      }
+    }
+  };
 
   // One tile of this warp; kRegK: K of this tile is in kc (the next tile's is on its way into
   // the other register set).
@@ -721,6 +836,9 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
       __syncwarp();
     }
 
+    if constexpr (kKeysM) {
+      keys_m_tile(tile, stage, t0);
+    } else {
     // The scores of this warp's keys, in 8-key n-tiles (two a 16-key half of the slice).
     constexpr int kN = kSliceKeys / 8;
     float sc[kN][4];
@@ -847,6 +965,7 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
         mma16816<T>(o[2 * dn + 1], pa, bv[2], bv[3]);
       }
     }
+    }
   };
   if constexpr (kRegK) {
     // Two tiles a step, so that the K registers alternate without copies.
@@ -864,24 +983,56 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
                segment_index);
 
   // ---- merge the warps' states ---------------------------------------------------------
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
-    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
-  }
   const int gr = lane >> 2;
-  if ((lane & 3) == 0) {
-    red_m[warp][gr] = m_r[0];
-    red_m[warp][gr + 8] = m_r[1];
-    red_l[warp][gr] = l_r[0];
-    red_l[warp][gr + 8] = l_r[1];
+  if constexpr (kKeysM) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 4);
+      l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 8);
+      l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 16);
+    }
+    if (lane < 4) {
+      red_m[warp][2 * lane] = m_r[0];
+      red_m[warp][2 * lane + 1] = m_r[1];
+      red_l[warp][2 * lane] = l_r[0];
+      red_l[warp][2 * lane + 1] = l_r[1];
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+      l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+    }
+    if ((lane & 3) == 0) {
+      red_m[warp][gr] = m_r[0];
+      red_m[warp][gr + 8] = m_r[1];
+      red_l[warp][gr] = l_r[0];
+      red_l[warp][gr + 8] = l_r[1];
+    }
   }
   __syncthreads();  // all warps are done with the stages too: reuse them as the combine buffer
   float* o_s = reinterpret_cast<float*>(kv_s);  // [kWarps][16][D]
+  if constexpr (kKeysM) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 2 * (lane & 3) + r;
+      if (row >= nh) continue;
+      float M = -INFINITY;
+#pragma unroll
+      for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][row]);
+      const float f = (m_r[r] == -INFINITY) ? 0.f : fast_exp2(m_r[r] - M);
+      float* dst = o_s + (warp * 16 + row) * D + gr;
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i) {
+        dst[i * 16] = o[i][r] * f;
+        dst[i * 16 + 8] = o[i][2 + r] * f;
+      }
+    }
+  }
   // Only the nh head rows are read back below: the upper eight rows are skipped whole (the test
   // is warp-uniform) when nh <= 8, as at G = 4, and single rows past nh by their lanes.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < (kKeysM ? 0 : 2); ++r) {
     if (8 * r >= nh) break;
     const int row = gr + 8 * r;
     if (row >= nh) continue;
@@ -891,11 +1042,11 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     const float f = (m_r[r] == -INFINITY) ? 0.f : fast_exp2(m_r[r] - M);
     float* dst = o_s + (warp * 16 + row) * D + 2 * (lane & 3);
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
+    for (int i = 0; i < kOTiles; ++i) {
       *reinterpret_cast<float2*>(dst + i * 8) = make_float2(o[i][2 * r] * f, o[i][2 * r + 1] * f);
     }
   }
-  if (tid < 16) {
+  if (tid < (kKeysM ? 8 : 16)) {
     float M = -INFINITY;
 #pragma unroll
     for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][tid]);
@@ -1011,7 +1162,7 @@ inline size_t half_sm_smem() {
 // Returns whether the splits merged inside this launch (the last CTA of each (row, kv head,
 // head chunk) to arrive); otherwise, with several splits, the caller runs the merge kernel.
 // w.arrivals: the stream's counters when there are enough of them, else null.
-template <typename T, int D, int kLoader, bool kPlain>
+template <typename T, int D, int kLoader, bool kPlain, bool kKeysM>
 bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const int hchunks = decode_head_chunks(p.group_size);
   dim3 grid(w.max_splits, p.kv_heads * hchunks, p.batch);
@@ -1025,13 +1176,13 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
     grid = dim3(static_cast<unsigned>(std::max(ragged, equal)));
   }
   const dim3 block(DecodeCfg<D, kLoader>::kThreads);
-  constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain>;
+  constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain, false, kKeysM>;
   // Plan::shares: a grid of w.shares CTAs, each walking its share of the keys, merged in the
   // launch (the plan's max_splits is the most CTAs an item spans). Built for the TMA loader at
   // head size 128 only (launch_decode_mma_d takes it there); elsewhere the grid of splits.
   if constexpr (D == 128 && kLoader == kLoadTma) {
     if (w.shares > 0 && w.arrivals != nullptr && w.max_splits <= kMaxInLaunchMergeSplits) {
-      constexpr auto shares_kernel = decode_mma_kernel<T, D, kLoader, kPlain, true>;
+      constexpr auto shares_kernel = decode_mma_kernel<T, D, kLoader, kPlain, true, kKeysM>;
       // A grid of at most one CTA an SM asks for more than half an SM's shared memory, so that
       // no SM holds two shares while another idles (the shares are equal, so the SM that held
       // two would finish last).
@@ -1071,13 +1222,24 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   return wk.arrivals != nullptr;
 }
 
-// The kPlain kernel where the call uses none of the features it compiles out.
+// Where the keys-as-rows form of the tile is built (decode_mma_kernel's kKeysM): every loader
+// but K in registers, at head sizes up to 128 (at 256 it read 3% slower, stop 77).
+constexpr bool decode_keys_as_rows_built(int d, int loader) { return d <= 128 && loader != kLoadTmaV; }
+
+// The kPlain kernel where the call uses none of the features it compiles out; the keys-as-rows
+// form where a CTA has at most 8 query heads (G <= 8: one head chunk).
 template <typename T, int D, int kLoader>
 bool launch_decode_loader(const Params& p, const Work& w, bool fused, cudaStream_t stream, const DecodeCacheMaps& maps) {
   const bool plain = g_decode_features.load(std::memory_order_relaxed) == 0 && !p.do_rotary && !(p.softcap > 0.f) &&
                      p.local_window <= 0 && p.head_sink == nullptr && !p.smooth_softmax;
-  return plain ? launch_decode_kernel<T, D, kLoader, true>(p, w, fused, stream, maps)
-               : launch_decode_kernel<T, D, kLoader, false>(p, w, fused, stream, maps);
+  if constexpr (decode_keys_as_rows_built(D, kLoader)) {
+    if (p.group_size <= 8) {
+      return plain ? launch_decode_kernel<T, D, kLoader, true, true>(p, w, fused, stream, maps)
+                   : launch_decode_kernel<T, D, kLoader, false, true>(p, w, fused, stream, maps);
+    }
+  }
+  return plain ? launch_decode_kernel<T, D, kLoader, true, false>(p, w, fused, stream, maps)
+               : launch_decode_kernel<T, D, kLoader, false, false>(p, w, fused, stream, maps);
 }
 
 template <typename T, int D>
