@@ -633,6 +633,44 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
             _run_cuda_and_cpu(case)
 
 
+def _decode_keys_as_rows_flags(names):
+    """Whether each decode kernel among the profiler's kernel names is the keys-as-rows form
+    (decode_mma_kernel's last template argument, kKeysM), demangled or not."""
+    flags = []
+    for name in names:
+        m = re.search(r"decode_mma_kernel<([^<>]*)>", name)
+        if m:
+            flags.append(m.group(1).split(",")[-1].strip() in ("true", "1", "(bool)1"))
+            continue
+        m = re.search(r"decode_mma_kernelI\w*?((?:Lb[01]E){3})E", name)
+        if m:
+            flags.append(m.group(1).endswith("Lb1E"))
+    return flags
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,loader,keys_as_rows", [
+    (8, 8, 128, "auto", True), (32, 8, 128, "auto", True), (28, 4, 96, "auto", True), (16, 2, 80, "auto", True),
+    (64, 8, 64, "auto", True), (72, 8, 128, "auto", False), (32, 2, 128, "auto", False), (32, 8, 256, "auto", False),
+    (32, 8, 128, "regs_k", False)], ids=["g1", "g4", "g7_96", "g8_80", "g8_64", "g9", "g16", "d256", "regs_k"])
+def test_cuda_decode_keys_as_rows_where_a_kv_head_has_at_most_8_heads(hq, hkv, head_dim, loader, keys_as_rows):
+    """The decode kernel takes the keys as its mmas' rows (S^T = K Q^T) where a kv head has at
+    most 8 query heads, at head sizes up to 128, with every loader but K in registers; the heads
+    stay the rows at 9 or more heads, at head size 256 and with K in registers. Each call is
+    checked against the reference and the CPU backend first, with and without features."""
+    if loader == "regs_k" and (torch.cuda.get_device_capability()[0] != 9
+                               or "9.0a" not in gqa_torch.build_info()["cuda_archs"]):
+        pytest.skip("K in registers (a TMA loader) needs an sm90 GPU and a 9.0a build")
+    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+        cases = [make_case("inplace", batch=3, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=head_dim,
+                           capacity=2100, past_lengths=[2049, 700, 5], dtype=torch.bfloat16, **feat)
+                 for feat in (dict(), dict(rotary="half", softcap=2.0, sink=True))]
+        for case in cases:
+            _run_cuda_and_cpu(case)
+        for case in cases:
+            names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
+            assert _decode_keys_as_rows_flags(names) == [keys_as_rows], names
+
+
 @pytest.fixture(params=["cp_async", "cp_async_shallow", "cp_async_one_ahead", "tma", "tma_one_ahead", "tma_shallow",
                         "tma_wide", "regs_k"])
 def decode_loader(request):
