@@ -5,7 +5,7 @@ Emulates one warp lane by lane: ldmatrix (plain and .trans), mma.m16n8k16 and mo
 as the PTX ISA lays out their fragments, the K and V ldmatrix addresses the kernel uses, the
 register reorders, and the combine's store of O^T, for two head tiles (12 heads) at head size
 128; asserts that S^T and O come out as K Q^T and P^T V. The first head tile's orders are
-also those of keys_as_m_kernel.patch (the form stop 77 measured best), which has one tile.
+also those of the landed keys-as-rows kernel (decode_mma.cuh, kKeysM; stop 78), which has one.
 Run: python3 keys_as_m_fragments.py
 """
 import numpy as np
