@@ -90,6 +90,17 @@ __device__ __forceinline__ void l2_prefetch_rows(const T* src, int rows, int64_t
   for (int r = thread; r < rows; r += threads) l2_prefetch_bulk(src + r * stride, kRowBytes);
 }
 
+// The online softmax's step for one row: its running max `m` takes the tile's max `tile_max`
+// (both in log2 units); `mu` is the offset the tile's exponentials subtract (0 while the row has
+// seen only masked keys, so that exp2(-inf - 0) = 0 and never NaN), `corr` the factor on the
+// row's sum and output so far.
+__device__ __forceinline__ void online_max_step(float& m, float tile_max, float& mu, float& corr) {
+  const float mn = fmaxf(m, tile_max);
+  mu = mn == -INFINITY ? 0.f : mn;
+  corr = fast_exp2(m - mu);
+  m = mn;
+}
+
 // kTma (sm90, see launch_decode_mma_d): each warp streams its own 16 (or 32) keys of every tile
 // as TMA boxes onto an mbarrier of its own, so the warps never wait for each other in the tile loop
 // (kRegK: V only; each lane loads its part of K into registers, see load_k); otherwise the CTA
@@ -734,14 +745,11 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
     float mu[2], corr[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2; ++r) {  // a head's keys are spread over the lanes' g (lane bits 2-4)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 8));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 16));
-      const float mn = fmaxf(m_r[r], mx[r]);
-      mu[r] = mn == -INFINITY ? 0.f : mn;
-      corr[r] = fast_exp2(m_r[r] - mu[r]);
-      m_r[r] = mn;
+      online_max_step(m_r[r], mx[r], mu[r], corr[r]);
     }
     float rs[2] = {0.f, 0.f};
 #pragma unroll
@@ -918,13 +926,10 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     }
     float mu[2], corr[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2; ++r) {  // a head row's keys are spread over the lanes' q (lane bits 0-1)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float mn = fmaxf(m_r[r], mx[r]);
-      mu[r] = mn == -INFINITY ? 0.f : mn;
-      corr[r] = fast_exp2(m_r[r] - mu[r]);
-      m_r[r] = mn;
+      online_max_step(m_r[r], mx[r], mu[r], corr[r]);
     }
     float rs[2] = {0.f, 0.f};
 #pragma unroll
