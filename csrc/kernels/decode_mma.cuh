@@ -699,89 +699,94 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   // transposing ldmatrix as the A operand). m_r, l_r and the corrections are per head: heads 2q
   // and 2q + 1 of each lane, reduced over the lanes' key rows (g).
   auto keys_m_tile = [&](const int tile, const int stage, const int t0) {
-    constexpr int kHalves = kSliceKeys / 16;
-    constexpr bool kTwoChains = D >= 128;  // as below: two chains of D / 32 mmas a score
-    float st[kHalves][4], st_odd[kHalves][4];
+    if constexpr (kKeysM) {  // (compiled only into the keys-as-rows instantiations)
+      constexpr int kHalves = kSliceKeys / 16;
+      constexpr bool kTwoChains = D >= 128;  // as below: two chains of D / 32 mmas a score
+      float st[kHalves][4], st_odd[kHalves][4];
 #pragma unroll
-    for (int hf = 0; hf < kHalves; ++hf) {
+      for (int hf = 0; hf < kHalves; ++hf) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[hf][e] = st_odd[hf][e] = 0.f;
-    }
+        for (int e = 0; e < 4; ++e) st[hf][e] = st_odd[hf][e] = 0.f;
+      }
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t b0, b1;
-      if constexpr (kKeysM && Cfg::kQInRegs) {
-        b0 = qb[kk][0];
-        b1 = qb[kk][1];
-      } else {
-        const T* const q_row = q_s + (lane >> 2) * kStride + kk * 16 + 2 * (lane & 3);
-        b0 = *reinterpret_cast<const uint32_t*>(q_row);
-        b1 = *reinterpret_cast<const uint32_t*>(q_row + 8);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t b0, b1;
+        if constexpr (Cfg::kQInRegs) {
+          b0 = qb[kk][0];
+          b1 = qb[kk][1];
+        } else {
+          const T* const q_row = q_s + (lane >> 2) * kStride + kk * 16 + 2 * (lane & 3);
+          b0 = *reinterpret_cast<const uint32_t*>(q_row);
+          b1 = *reinterpret_cast<const uint32_t*>(q_row + 8);
+        }
+#pragma unroll
+        for (int hf = 0; hf < kHalves; ++hf) {
+          uint32_t k4[4];  // keys 0-7 x d 0-7, keys 0-7 x d 8-15, keys 8-15 x d 0-7, keys 8-15 x d 8-15
+          const int key = hf * 16 + (lane >> 4) * 8 + (lane & 7);
+          ldmatrix_x4(k4, slice_chunk(stage, false, key, kk * 2 + ((lane >> 3) & 1)));
+          const uint32_t ka[4] = {k4[0], k4[2], k4[1], k4[3]};
+          mma16816<T>(kTwoChains && (kk & 1) ? st_odd[hf] : st[hf], ka, b0, b1);
+        }
+      }
+      const bool need_mask = t0 + kw + kSliceKeys > k1;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int hf = 0; hf < kHalves; ++hf) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = kTwoChains ? st[hf][e] + st_odd[hf][e] : st[hf][e];
+          if (softcap > 0.f) {
+            x = softcap * tanhf(x * cap_k) * kLog2e;
+          } else {
+            x *= scale_l2;
+          }
+          if (need_mask && t0 + kw + hf * 16 + (lane >> 2) + (e >> 1) * 8 >= k1) x = -INFINITY;
+          st[hf][e] = x;
+          mx[e & 1] = fmaxf(mx[e & 1], x);
+        }
+      }
+      float mu[2], corr[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // a head's keys are spread over the lanes' g (lane bits 2-4)
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 8));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 16));
+        online_max_step(m_r[r], mx[r], mu[r], corr[r]);
+      }
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int hf = 0; hf < kHalves; ++hf) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = fast_exp2(st[hf][e] - mu[e & 1]);
+          st[hf][e] = pe;
+          rs[e & 1] += pe;
+        }
+      }
+      l_r[0] = l_r[0] * corr[0] + rs[0];
+      l_r[1] = l_r[1] * corr[1] + rs[1];
+      if (tile > 0 && __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {  // (O is zero at the first)
+#pragma unroll
+        for (int i = 0; i < kOTiles; ++i) {
+          o[i][0] *= corr[0];
+          o[i][1] *= corr[1];
+          o[i][2] *= corr[0];
+          o[i][3] *= corr[1];
+        }
       }
 #pragma unroll
       for (int hf = 0; hf < kHalves; ++hf) {
-        uint32_t k4[4];  // keys 0-7 x d 0-7, keys 0-7 x d 8-15, keys 8-15 x d 0-7, keys 8-15 x d 8-15
-        ldmatrix_x4(k4, slice_chunk(stage, false, hf * 16 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
-        const uint32_t ka[4] = {k4[0], k4[2], k4[1], k4[3]};
-        mma16816<T>(kTwoChains && (kk & 1) ? st_odd[hf] : st[hf], ka, b0, b1);
-      }
-    }
-    const bool need_mask = t0 + kw + kSliceKeys > k1;
-    float mx[2] = {-INFINITY, -INFINITY};
+        // The B operand (16 keys x 8 heads): P^T[keys 2q, 2q + 1][head g], then keys 8 + 2q, 9 + 2q.
+        const uint32_t pb0 = movmatrix_trans(pack2<T>(st[hf][0], st[hf][1]));
+        const uint32_t pb1 = movmatrix_trans(pack2<T>(st[hf][2], st[hf][3]));
 #pragma unroll
-    for (int hf = 0; hf < kHalves; ++hf) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = kTwoChains ? st[hf][e] + st_odd[hf][e] : st[hf][e];
-        if (softcap > 0.f) {
-          x = softcap * tanhf(x * cap_k) * kLog2e;
-        } else {
-          x *= scale_l2;
+        for (int dn = 0; dn < D / 16; ++dn) {
+          uint32_t v4[4];  // (V^T) d 0-7 x keys 0-7, d 0-7 x keys 8-15, d 8-15 x keys 0-7, d 8-15 x keys 8-15
+          const int key = hf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+          ldmatrix_x4_trans(v4, slice_chunk(stage, true, key, dn * 2 + (lane >> 4)));
+          const uint32_t va[4] = {v4[0], v4[2], v4[1], v4[3]};
+          mma16816<T>(o[dn], va, pb0, pb1);
         }
-        if (need_mask && t0 + kw + hf * 16 + (lane >> 2) + (e >> 1) * 8 >= k1) x = -INFINITY;
-        st[hf][e] = x;
-        mx[e & 1] = fmaxf(mx[e & 1], x);
-      }
-    }
-    float mu[2], corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // a head's keys are spread over the lanes' g (lane bits 2-4)
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 8));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 16));
-      online_max_step(m_r[r], mx[r], mu[r], corr[r]);
-    }
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int hf = 0; hf < kHalves; ++hf) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pe = fast_exp2(st[hf][e] - mu[e & 1]);
-        st[hf][e] = pe;
-        rs[e & 1] += pe;
-      }
-    }
-    l_r[0] = l_r[0] * corr[0] + rs[0];
-    l_r[1] = l_r[1] * corr[1] + rs[1];
-    if (tile > 0 && __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {  // (O is zero at the first)
-#pragma unroll
-      for (int i = 0; i < kOTiles; ++i) {
-        o[i][0] *= corr[0];
-        o[i][1] *= corr[1];
-        o[i][2] *= corr[0];
-        o[i][3] *= corr[1];
-      }
-    }
-#pragma unroll
-    for (int hf = 0; hf < kHalves; ++hf) {
-      const uint32_t pb0 = movmatrix_trans(pack2<T>(st[hf][0], st[hf][1]));  // P[keys 2q, 2q + 1][head g]
-      const uint32_t pb1 = movmatrix_trans(pack2<T>(st[hf][2], st[hf][3]));  // the same 8 keys on
-#pragma unroll
-      for (int dn = 0; dn < D / 16; ++dn) {
-        uint32_t v4[4];  // (V^T) d 0-7 x keys 0-7, d 0-7 x keys 8-15, d 8-15 x keys 0-7, d 8-15 x keys 8-15
-        ldmatrix_x4_trans(v4, slice_chunk(stage, true, hf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), dn * 2 + (lane >> 4)));
-        const uint32_t va[4] = {v4[0], v4[2], v4[1], v4[3]};
-        mma16816<T>(o[dn], va, pb0, pb1);
       }
     }
   };
