@@ -1022,15 +1022,19 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
   }
   __syncthreads();  // all warps are done with the stages too: reuse them as the combine buffer
   float* o_s = reinterpret_cast<float*>(kv_s);  // [kWarps][16][D]
-  if constexpr (kKeysM) {
+  // The factor that brings this warp's state of head `row` (its max `m`) to the CTA's max.
+  const auto to_cta_max = [&](const int row, const float m) {
+    float M = -INFINITY;
+#pragma unroll
+    for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][row]);
+    return (m == -INFINITY) ? 0.f : fast_exp2(m - M);
+  };
+  if constexpr (kKeysM) {  // O^T: each lane holds heads 2q and 2q + 1 at columns 16 i + g (+ 8)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 2 * (lane & 3) + r;
       if (row >= nh) continue;
-      float M = -INFINITY;
-#pragma unroll
-      for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][row]);
-      const float f = (m_r[r] == -INFINITY) ? 0.f : fast_exp2(m_r[r] - M);
+      const float f = to_cta_max(row, m_r[r]);
       float* dst = o_s + (warp * 16 + row) * D + gr;
 #pragma unroll
       for (int i = 0; i < kOTiles; ++i) {
@@ -1038,22 +1042,20 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
         dst[i * 16 + 8] = o[i][2 + r] * f;
       }
     }
-  }
-  // Only the nh head rows are read back below: the upper eight rows are skipped whole (the test
-  // is warp-uniform) when nh <= 8, as at G = 4, and single rows past nh by their lanes.
+  } else {
+    // Only the nh head rows are read back below: the upper eight rows are skipped whole (the
+    // test is warp-uniform) when nh <= 8, as at G = 4, and single rows past nh by their lanes.
 #pragma unroll
-  for (int r = 0; r < (kKeysM ? 0 : 2); ++r) {
-    if (8 * r >= nh) break;
-    const int row = gr + 8 * r;
-    if (row >= nh) continue;
-    float M = -INFINITY;
+    for (int r = 0; r < 2; ++r) {
+      if (8 * r >= nh) break;
+      const int row = gr + 8 * r;
+      if (row >= nh) continue;
+      const float f = to_cta_max(row, m_r[r]);
+      float* dst = o_s + (warp * 16 + row) * D + 2 * (lane & 3);
 #pragma unroll
-    for (int ww = 0; ww < Cfg::kWarps; ++ww) M = fmaxf(M, red_m[ww][row]);
-    const float f = (m_r[r] == -INFINITY) ? 0.f : fast_exp2(m_r[r] - M);
-    float* dst = o_s + (warp * 16 + row) * D + 2 * (lane & 3);
-#pragma unroll
-    for (int i = 0; i < kOTiles; ++i) {
-      *reinterpret_cast<float2*>(dst + i * 8) = make_float2(o[i][2 * r] * f, o[i][2 * r + 1] * f);
+      for (int i = 0; i < kOTiles; ++i) {
+        *reinterpret_cast<float2*>(dst + i * 8) = make_float2(o[i][2 * r] * f, o[i][2 * r + 1] * f);
+      }
     }
   }
   if (tid < (kKeysM ? 8 : 16)) {
