@@ -753,27 +753,33 @@ def _check_decode_and_its_loader(head_dim, code, context, **shape):
 @pytest.mark.parametrize("batch,hq,hkv,rows,loader", [
     (1, 32, 8, "equal", "auto"), (1, 32, 8, "equal", "tma"), (1, 32, 8, "equal", "cp_async"),
     (8, 32, 8, "ragged", "auto"), (33, 8, 4, "equal", "auto"), (33, 8, 4, "ragged", "auto"),
-    (34, 8, 4, "ragged", "auto"), (34, 8, 4, "ragged", "tma"), (34, 8, 4, "ragged", "tma_four_warps")])
+    (34, 8, 4, "ragged", "auto"), (34, 8, 4, "ragged", "tma"), (34, 8, 4, "ragged", "tma_four_warps"),
+    (18, 16, 8, "equal", "auto"), (18, 16, 8, "ragged", "auto")])
 def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
     """At head size 256 the decode kernel runs four warps a CTA, loading by TMA (loader code 3),
     where its grid is one wave at one CTA an SM (on an H200: B = 1 with 8 kv heads in 16 splits,
     B = 8 in 2), or where a batch of equal rows would take such a wave in a larger grid (B = 33
     with 4 kv heads and 4,160 keys of capacity: 2 splits, 264 CTAs, of which equal rows use 132;
-    equal and ragged rows alike, as the plan fixes the kernel). It runs two warps by TMA (code 1)
-    where more CTAs stream (B = 34: 136 CTAs of one split) or by cp.async under its pin (code
-    0); the "tma_four_warps" pin takes four warps whatever the grid (two waves at B = 34). Each
-    matches the reference and the CPU backend, in place, without features (the plan's kernel
-    without them) and with RoPE, softcap, a sink and ragged rows."""
+    equal and ragged rows alike, as the plan fixes the kernel), or where the plan gives a batch
+    of equal rows' last wave of one CTA an SM more splits (B = 18 with 8 kv heads and 2,100 keys:
+    144 slots, the last 12 in 8 splits each; equal and ragged rows alike). It runs two warps by
+    TMA (code 1) where more CTAs stream (B = 34: 136 CTAs of one split of 300 keys, not ranked)
+    or by cp.async under its pin (code 0); the "tma_four_warps" pin takes four warps whatever the
+    grid (two waves at B = 34). Each matches the reference and the CPU backend, in place,
+    without features (the plan's kernel without them) and with RoPE, softcap, a sink and ragged
+    rows."""
     if loader != "cp_async" and (torch.cuda.get_device_capability()[0] != 9
                                  or "9.0a" not in gqa_torch.build_info()["cuda_archs"]):
         pytest.skip("the TMA decode loaders need an sm90 GPU and a build for 9.0a")
-    capacity = {1: 2048, 8: 1100, 33: 4160, 34: 300}[batch]
+    capacity = {1: 2048, 8: 1100, 18: 2100, 33: 4160, 34: 300}[batch]
     pasts = _loader_test_pasts(rows, batch, capacity)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms, head_dim=256)
     slots = batch * hkv
     four_warps = (plan["max_splits"] * slots <= sms or 0 < plan["equal_rows_splits"] * slots <= sms
-                  or loader == "tma_four_warps")
+                  or plan["equal_rows_tail_splits"] > 0 or loader == "tma_four_warps")
+    if batch == 18:
+        assert plan["equal_rows_tail_splits"] > 0, (plan, sms)  # (the case's point; 132 SMs: 8 splits of 12 slots)
     code = 0 if loader == "cp_async" else (3 if four_warps else 1)
     with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(256, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,

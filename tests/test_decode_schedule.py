@@ -151,7 +151,11 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
     (64, 32, 8, 2048, 64, 0, 0),      # 512 slots: the second wave 248, more than half full
     (33, 32, 8, 2048, 64, 0, 0),      # 264 slots: exactly one wave
     (48, 32, 8, 1024, 64, 0, 0),      # splits of 1,024 keys: not ranked
-    (48, 32, 8, 2048, 256, 0, 0),     # head size 256: not measured
+    (48, 32, 8, 2048, 256, 0, 0),     # head size 256, four warps one CTA an SM: the last of 384 slots' waves
+                                      # of 132 holds 120, more than half full
+    (17, 32, 8, 2048, 256, 8, 4),     # ... 136 slots: a wave and 4 (33 splits would fill it, at most 8)
+    (24, 16, 8, 4096, 256, 2, 60),    # ... 192 slots: a wave and 60
+    (17, 32, 8, 1024, 256, 0, 0),     # ... splits of 1,024 keys: not ranked
     (48, 32, 8, 8192, 128, 2, 120),   # one split a row of 8,192 keys: two of 4,096 in the last wave
     (20, 256, 8, 8192, 128, 0, 0),    # 320 slots (two head chunks), but two splits a row already
     (64, 32, 8, 8192, 128, 0, 0),     # the benchmark grid's B64 and B16 rows: none takes it
@@ -161,8 +165,8 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
     (64, 8, 4, 2048, 256, 0, 0),
 ])
 def test_decode_plan_splits_the_last_wave_of_equal_rows(batch, hq, hkv, capacity, head_dim, tail_splits, tail_items):
-    """Where one split a row leaves a batch of equal rows' last wave at two CTAs an SM at most
-    half full, that wave's slots take as many splits as fill it (at most 8, of 256 keys or more):
+    """Where one split a row leaves a batch of equal rows' last wave (two CTAs an SM; one at head
+    size 256, with four warps a CTA) at most half full, that wave's slots take as many splits as fill it (at most 8, of 256 keys or more):
     max_splits is theirs, and equal rows and ragged batches keep one split a row; elsewhere none
     of it."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
@@ -172,6 +176,17 @@ def test_decode_plan_splits_the_last_wave_of_equal_rows(batch, hq, hkv, capacity
         assert plan["equal_rows_splits"] == 1 and plan["ragged_splits"] == 1, plan
     else:
         assert plan["ragged_splits"] == 0, plan
+
+
+@pytest.mark.parametrize("batch,hq,hkv,capacity", [(17, 32, 8, 2048), (24, 16, 8, 4096), (34, 8, 4, 4096)])
+def test_decode_plan_sizes_the_last_wave_at_head_size_256_only_with_four_warps(batch, hq, hkv, capacity):
+    """At head size 256 the last wave is one CTA an SM's only where the kernel has four warps a
+    CTA (an sm90 device and an sm90a build): with two warps, two an SM, these batches are one
+    wave, and no slot takes more splits."""
+    four = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=256)
+    assert four["equal_rows_tail_splits"] >= 2 and four["equal_rows_tail_items"] == batch * hkv - 132, four
+    two = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=256, four_warps_256=False)
+    assert two["equal_rows_tail_splits"] == two["equal_rows_tail_items"] == two["ragged_splits"] == 0, two
 
 
 def test_decode_plan_refuses_bad_shapes():

@@ -154,10 +154,22 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // 149.9 / 174.7 (160.2), B12 32/32/80 L2048 67.7 / 77.9 (72.7). A ragged batch pays for the
     // grid's leaving CTAs: lengths from 256, B48 32/8/64 L2048 34.6 / 34.4, B40 29.05 / 28.9,
     // B44 L4096 55.7 / 55.4, B12 32/32/128 L4096 102.6 / 102.3.
-    const int64_t wave = 2 * sms;
+    // At head size 256 with four warps a CTA (one an SM) a wave is the SMs' count, and the
+    // launch takes four warps for the grid this gives (decode_mma.cuh). Before, such a grid
+    // ran two warps two an SM in one wave, and the SMs that drew two CTAs streamed twice the
+    // keys of the others; four warps in plain waves ran the last few slots on their SMs alone.
+    // H100, stop 79, one process, interleaved, us, this rule / the grid of two warps before
+    // (the schedule pin keep_splits runs it) / four warps in plain waves (SDPA flash): B17
+    // 32/8/256 L2048 (136 slots) 104.2 / 114.6 / 121.7 (112.0), lengths from 256 66.2 / 79.5 /
+    // 65.9; B18 16/8/256 L2100 110.1 / 129.1 / 125.4 (115.6); B20 16/8/256 L4096 223.9 / 261.5 /
+    // 255.6 (227.3), from 256 129.5 / 160.4 / 129.7; B24 16/8/256 L4096 263.9 / 298.5 / 270.3
+    // (265.6), from 256 151.5 / 190.9 / 151.5; B34 8/4/256 L4096 187.5 / 222.2 / 220.2 (196.0).
+    // Not measured on an H200, nor at head size 256 with two warps only (no sm90a build), which
+    // keeps the wave of two an SM.
+    const int64_t wave = four_warps ? sms : 2 * sms;
     const int64_t tail = slots % wave;
-    if (plan.longest_first && splits == 1 && plan.equal_rows_splits == 0 && p.head_dim <= 128 && slots > wave &&
-        tail > 0 && 2 * tail <= wave) {
+    if (plan.longest_first && splits == 1 && plan.equal_rows_splits == 0 && (p.head_dim <= 128 || four_warps) &&
+        slots > wave && tail > 0 && 2 * tail <= wave) {
       int64_t tail_splits = wave / tail;
       if (tail_splits > 8) tail_splits = 8;
       while (tail_splits > 2 && p.capacity / tail_splits < 256) --tail_splits;

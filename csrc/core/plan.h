@@ -61,7 +61,8 @@ struct Plan {
   // rows keep the one wave: near_equal_sixteenths 8, or 11 where the splits hold 2,048 keys).
   bool ragged_two_waves = false;
   // Decode, with longest_first and one split a row: where a batch of equal rows would run more
-  // than one wave at two CTAs an SM and its last wave at most half full, the rows of that last
+  // than one wave at two CTAs an SM (one at head size 256 with four warps a CTA) and its last
+  // wave at most half full, the rows of that last
   // wave (the last equal_rows_tail_items (row, kv head, head chunk) slots in row order) take
   // equal_rows_tail_splits splits each, so that they fill the slots their SMs free together
   // instead of running two an SM on the SMs that finished first (plan.cpp). max_splits is then

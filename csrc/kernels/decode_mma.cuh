@@ -1322,9 +1322,10 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
   // 241 / 282, lengths from 256 118 / 171-181, from 4,096 197 / 224; B33 16/4/256 L8192 245 /
   // 287, from 1,024 138 / 175; B16 16/8/256 L16384 474 / 562, from 2,048 261 / 267). Grids of
   // more CTAs than that keep two warps, two an SM (four warps in waves: B17 32/8/256 L2048 102 /
-  // 81, B64 32/8/256 L1024 137 / 134, B32 16/8/256 L4096 245 / 243).
+  // 81, B64 32/8/256 L1024 137 / 134, B32 16/8/256 L4096 245 / 243), except where the plan
+  // sized the equal rows' last wave for them (Plan::equal_rows_tail_splits; plan.cpp, stop 79).
   if constexpr (D == 256) {
-    if (tma && (ctas <= sms || equal_rows_one_wave || pinned == kPinTmaFourWarps))
+    if (tma && (ctas <= sms || equal_rows_one_wave || w.equal_rows_tail_splits > 0 || pinned == kPinTmaFourWarps))
       return launch_decode_loader<T, D, kLoadTmaFourWarps>(p, w, fused, stream, maps);
   }
   // At D = 64 auto takes TMA where at least as many CTAs as SMs stream splits of 2,048 keys of
