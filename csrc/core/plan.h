@@ -62,12 +62,12 @@ struct Plan {
   bool ragged_two_waves = false;
   // Decode, with longest_first and one split a row: where a batch of equal rows would run more
   // than one wave at two CTAs an SM (one at head size 256 with four warps a CTA) and its last
-  // wave at most half full, the rows of that last
-  // wave (the last equal_rows_tail_items (row, kv head, head chunk) slots in row order) take
-  // equal_rows_tail_splits splits each, so that they fill the slots their SMs free together
-  // instead of running two an SM on the SMs that finished first (plan.cpp). max_splits is then
-  // equal_rows_tail_splits (the partials' room), equal_rows_splits and ragged_splits are 1, and
-  // the launch is a grid of just the working CTAs (decode_schedule.cuh). 0: none.
+  // wave at most half full, the rows of that last wave (the last equal_rows_tail_items (row,
+  // kv head, head chunk) slots in row order) take equal_rows_tail_splits splits each, so that
+  // they fill the slots their SMs free together instead of running two an SM on the SMs that
+  // finished first (plan.cpp). max_splits is then equal_rows_tail_splits (the partials' room),
+  // equal_rows_splits and ragged_splits are 1, and the launch is a grid of just the working
+  // CTAs (decode_schedule.cuh). 0: none.
   int32_t equal_rows_tail_splits = 0;
   int32_t equal_rows_tail_items = 0;
   // Decode: the splits a ragged batch's row takes where that is fewer than max_splits (the
