@@ -787,6 +787,22 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_decode_head_size_256_last_wave_functional(dtype):
+    """The functional op on test_cuda_decode_head_size_256_warps's B = 18 shape (on an sm90 GPU
+    with an sm90a build: 144 slots, the last 12 in 8 splits, four warps a CTA; the prep kernel
+    runs apart, and the presents are new tensors): equal rows in BNSH without features, then
+    ragged rows in BSNH with RoPE, softcap, a sink and larger logits, against the reference and
+    the CPU backend."""
+    capacity = 2100
+    for rows, layout, feat in (("equal", 0, dict()),
+                               ("ragged", 1, dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))):
+        case = make_case("functional", batch=18, seq=1, num_heads=16, kv_num_heads=8, head_dim=256,
+                         capacity=capacity, past_lengths=_loader_test_pasts(rows, 18, capacity),
+                         dtype=DTYPES[dtype], layout=layout, **feat)
+        _run_cuda_and_cpu(case)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("batch,hq,hkv,capacity,rows,loader,code", [
     (16, 32, 8, 4096, "equal", "auto", 8), (16, 32, 8, 4096, "ragged", "auto", 8),
     (64, 32, 8, 2048, "equal", "auto", 8), (4, 32, 8, 1024, "equal", "auto", 4), (1, 14, 2, 1024, "equal", "auto", 4),
