@@ -1305,6 +1305,19 @@ def test_cuda_decode_shares_more_items_than_sms(dtype, features):
     _run_shares_cases(random.Random(71), dtype, features, batch, hq, hkv, capacity)
 
 
+@pytest.mark.parametrize("dtype,features", [("bf16", [0, 2, 1]), ("fp16", [4, 3, 0])])
+def test_cuda_decode_shares_on_4096_keys(dtype, features):
+    """The balanced partition on 4,096-8,191 keys of capacity, where it takes more items than SMs
+    and at most 3/2 of them (18 rows of 8 kv heads at 4,160 keys on 132 SMs: 144 items): equal
+    rows, a ragged batch and one full row among short ones, features, both ops and layouts,
+    against the reference and the CPU backend."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, hq, hkv, capacity = sms // 8 + 2, 16, 8, 4160
+    plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
+    assert plan["shares"] == sms and sms < batch * hkv and 2 * batch * hkv <= 3 * sms, plan
+    _run_shares_cases(random.Random(89), dtype, features, batch, hq, hkv, capacity)
+
+
 @pytest.mark.parametrize("dtype,hq,features", [("bf16", 64, [0, 1, 2]), ("fp16", 48, [4, 3, 0])])
 def test_cuda_decode_shares_wide_groups(dtype, hq, features):
     """The balanced partition with 8 and 6 query heads a kv head (_shares_shape's rows and keys),

@@ -63,7 +63,8 @@ def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128
     (33, 4, 4, 4096, 2, 1),     # 132 CTAs a split: every SM
     (30, 32, 4, 8191, 2, 1),    # 120 CTAs a split: 91% of the SMs
     (29, 32, 4, 8191, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
-    (17, 64, 8, 8191, 2, 1),    # 136 CTAs, more than the SMs: as many as fill two CTAs an SM (8,192: the partition)
+    (25, 64, 8, 8191, 2, 1),    # 200 CTAs, more than the SMs: as many as fill two CTAs an SM (8,192 keys, or
+                                # 133-198 CTAs on 4,096 or more: the partition)
     (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
     (8, 32, 8, 16448, 5, 4),
     (32, 32, 8, 8192, 2, 1),    # 256 CTAs a split: one wave at two an SM
@@ -235,7 +236,13 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     (66, 32, 8, 32768, 128, True),    # 528
     (67, 32, 8, 32768, 128, False),   # 536
     (129, 4, 1, 8192, 128, False),    # more rows than the walk takes
-    (16, 64, 8, 8191, 128, False),    # rows of fewer than 8,192 keys of capacity
+    (16, 64, 8, 8191, 128, False),    # rows of fewer than 8,192 keys of capacity: 128 items, not more than the SMs
+    (17, 32, 8, 4096, 128, True),     # 136 items on 4,096 keys: more than the SMs
+    (24, 32, 8, 4096, 128, True),     # 192: at most 3/2 of them
+    (25, 32, 8, 4096, 128, False),    # 200: more
+    (40, 28, 4, 8191, 128, True),     # 160
+    (20, 32, 8, 4095, 128, False),    # 160 items on fewer than 4,096 keys
+    (20, 32, 8, 4096, 64, False),     # head size 128 only
     (16, 64, 8, 8192, 64, False),     # head size 128 only (the kernel is built there alone)
     (16, 64, 8, 8192, 256, False),
     (1, 32, 8, 32768, 128, False),    # one row
@@ -246,8 +253,9 @@ def test_decode_plan_takes_the_balanced_partition(batch, hq, hkv, capacity, head
     plus 512, where the items (row, kv head, head chunk) number more than half the 132 SMs and at
     most 7/4 of them; or 1/8 of them to half, where the equal rows' grid of splits would leave
     1/16 of its slots empty or more at two CTAs an SM, or 1/4 of the SMs idle at one; or more
-    than 7/4 of them and up to 4 x on 16,384 keys of capacity or more. An item spans at most 16
-    CTAs (max_splits), and the grid-of-splits schedule is off."""
+    than 7/4 of them and up to 4 x on 16,384 keys of capacity or more; on 4,096-8,191 keys, more
+    than the SMs' count and at most 3/2 of it. An item spans at most 16 CTAs (max_splits), and
+    the grid-of-splits schedule is off."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert plan["shares"] == (132 if takes_it else 0), plan
     assert plan["share_item_keys"] == (512 if takes_it else 0), plan

@@ -184,7 +184,8 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // besides its keys); an item spans at most kMaxInLaunchMergeSplits CTAs (shares_walk bounds
     // the share from below). Where the items do not divide the SMs, the grid of splits leaves
     // SMs idle or shares them unevenly, and it spreads a ragged batch only by its splits. Taken
-    // at head size 128, on 8,192 keys of capacity or more, in three bands of the items' count.
+    // at head size 128, on 8,192 keys of capacity or more, in three bands of the items' count
+    // (and one more on 4,096-8,191 keys, share_short).
     // H200, interleaved, us, this / the grid of splits (SDPA cuDNN), NOTES.md:
     // - share_band, more than half the SMs' count and at most 7/4 of it (forty-ninth and
     //   fiftieth rounds). Equal rows: B12 64/8 L16384 189.7 / 225.7 (188.2); B16 248.9 / 302.0
@@ -222,8 +223,17 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     const bool share_few = 8 * slots >= sms && 2 * slots <= sms &&
                            (equal_grid <= sms ? 4 * equal_grid <= 3 * sms : 16 * equal_grid < 15 * equal_slots);
     const bool share_long = p.capacity >= 16384 && 4 * slots > 7 * sms && slots <= 4 * sms;
-    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 && p.capacity >= 8192 &&
-        (share_band || share_long || share_few)) {
+    // share_short: share_band's items from more than the SMs' count to 3/2 of it, on 4,096 to
+    // 8,191 keys of capacity. There a batch of equal rows runs one split a row, one CTA a slot
+    // (ragged_two_waves), and some SMs hold two. H100, stop 79, interleaved builds, two runs, us,
+    // this / the grid of splits (SDPA cuDNN): B17 32/8 L4096 98.9 / 104.5 (96.2); B20 115.3 /
+    // 129.4 (120.5); B24 136.8 / 148.9 (137.0); B40 28/4 L4096 116.7 / 129.6 (120.5); lengths from
+    // 256: B20 65.5 / 64.9. Not taken: fewer items (B9 64/8 L4096, 72 items, 56.8 / 52.2; B16 32/8
+    // L4096 90.4 / 89.6), more (B28 32/8 L4096, 224 items, 158.2 / 160.8 but from 256 86.4 /
+    // 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but B16 47.8 / 46.7). Not measured on an H200.
+    const bool share_short = p.capacity >= 4096 && slots > sms && 2 * slots <= 3 * sms;
+    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 &&
+        (p.capacity >= 8192 ? share_band || share_long || share_few : share_short)) {
       plan.shares = static_cast<int32_t>(sms);
       plan.share_item_keys = 512;
       plan.max_splits = kMaxInLaunchMergeSplits;
