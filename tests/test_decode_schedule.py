@@ -167,9 +167,9 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
 ])
 def test_decode_plan_splits_the_last_wave_of_equal_rows(batch, hq, hkv, capacity, head_dim, tail_splits, tail_items):
     """Where one split a row leaves a batch of equal rows' last wave (two CTAs an SM; one at head
-    size 256, with four warps a CTA) at most half full, that wave's slots take as many splits as fill it (at most 8, of 256 keys or more):
-    max_splits is theirs, and equal rows and ragged batches keep one split a row; elsewhere none
-    of it."""
+    size 256, with four warps a CTA) at most half full, that wave's slots take as many splits as
+    fill it (at most 8, of 256 keys or more): max_splits is theirs, and equal rows and ragged
+    batches keep one split a row; elsewhere none of it."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert (plan["equal_rows_tail_splits"], plan["equal_rows_tail_items"]) == (tail_splits, tail_items), plan
     if tail_splits:
