@@ -9,7 +9,8 @@ grid and any other shapes (CUDA-graph replays, inputs rotated beyond L2, as benc
 so that the ratio ours / cuDNN carries no drift of the clocks between runs. `--pins` adds our
 call with a switch pinned, interleaved with the rest: `splits=N` (the decode split count,
 _set_decode_split_override) or `merge=`, `loader=`, `schedule=`, `l2=`, `features=` (the _set_decode_*
-switches; `shares=GRID/KEYS` the balanced partition's grid and item weight, as `shares=two_per_sm/256`;
+switches; `shares=GRID/KEYS` the balanced partition's grid and item weight, as `shares=two_per_sm/256`, or
+`shares=force/KEYS` it wherever its kernel is built;
 `schedule=keep_splits` keeps the plan's splits for a batch of equal rows, `l2=on` and
 `l2=off` pin the L2 prefetch before the PDL wait, `features=general` the decode kernel with every
 feature compiled in); pins joined by `+` (`splits=1+schedule=longest_first`) make one column.
@@ -61,7 +62,9 @@ def split_override(value: str) -> None:
 
 def share_switch(value: str) -> None:
     """`shares=GRID` or `shares=GRID/KEYS`: the balanced partition's grid (auto, items,
-    two_per_sm, cut) and item weight in keys (the plan's without /KEYS), where the plan takes it."""
+    two_per_sm, cut) and item weight in keys (the plan's without /KEYS), where the plan takes it;
+    `shares=force` (or `force/KEYS`) takes the plan's grid wherever the partition's kernel is built
+    (head sizes 64 and 128), whether or not the plan takes it."""
     grid, _, keys = value.partition("/")
     gqa_torch._C._set_decode_shares(grid, int(keys) if keys else -1)
 

@@ -1369,7 +1369,7 @@ def test_cuda_decode_shares_twice_the_sms_items_on_long_caches(dtype, features):
     _run_shares_cases(random.Random(83), dtype, features, batch, hq, hkv, capacity, first=1)
 
 
-def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity, first=0):
+def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity, first=0, head_dim=128):
     """test_cuda_decode_shares's cases, one a FEATURE_CYCLE index of `features`: in turn equal
     rows, a ragged batch, and one full row among short ones (from the `first` of those)."""
     for j, i in enumerate(features, start=first):
@@ -1381,9 +1381,97 @@ def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity, first=0):
             past = [rng.randint(0, 64) for _ in range(batch)]
             past[rng.randrange(batch)] = capacity - 1
         case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
-                         head_dim=128, capacity=capacity, past_lengths=past, dtype=DTYPES[dtype], layout=j % 2,
+                         head_dim=head_dim, capacity=capacity, past_lengths=past, dtype=DTYPES[dtype], layout=j % 2,
                          **FEATURE_CYCLE[i])
         _run_cuda_and_cpu(case)
+
+
+def _decode_shares_flags(names):
+    """Whether each decode kernel among the profiler's kernel names is the balanced partition's
+    (decode_mma_kernel's kShares, the second of its last three template arguments), demangled or
+    not."""
+    flags = []
+    for name in names:
+        m = re.search(r"decode_mma_kernel<([^<>]*)>", name)
+        if m:
+            flags.append(m.group(1).split(",")[-2].strip() in ("true", "1", "(bool)1"))
+            continue
+        m = re.search(r"decode_mma_kernelI\w*?((?:Lb[01]E){3})E", name)
+        if m:
+            flags.append(m.group(1)[4:8] == "Lb1E")
+    return flags
+
+
+@contextlib.contextmanager
+def _shares_forced(item_keys=-1):
+    """The balanced partition forced on wherever its kernel is built (set_decode_shares "force",
+    with this item weight; -1: 512) inside the block, and auto afterwards whatever happens."""
+    gqa_torch._C._set_decode_shares("force", item_keys)
+    try:
+        yield
+    finally:
+        gqa_torch._C._set_decode_shares("auto", -1)
+
+
+def _require_tma_decode():
+    if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
+        pytest.skip("the balanced partition's kernel (a TMA loader) needs an sm90 GPU and a 9.0a build")
+
+
+@pytest.mark.parametrize("dtype,features,rows,item_keys", [
+    ("bf16", [0, 1, 2, 3, 4, 0], "shares", -1), ("fp16", [4, 0, 2], "shares", 1024),
+    ("bf16", [2, 0, 1], "more", -1), ("fp16", [3, 4, 0], "more", 0), ("bf16", [1, 2, 0], "few", 2048)])
+def test_cuda_decode_shares_head_size_64(dtype, features, rows, item_keys):
+    """The balanced partition at head size 64 (its kernel on the TMA loader's 32-key slices),
+    forced on: _shares_shape's 96 items of 8,256 keys, 3/2 of the SMs' count of items of 4,160
+    keys (every CTA serves more than one item) and an eighth of them on 2,112 keys (each item
+    spans several CTAs), at item weights from 0 to 2,048 keys; equal rows, a ragged batch and one
+    full row among short ones, features, both ops and layouts, against the reference and the
+    CPU backend. Then the kernel that ran must be the partition's, on the 32-key slices."""
+    _require_tma_decode()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, hq, hkv, capacity = {"shares": (max(2, 3 * sms // 32), 16, 8, 8256),
+                                "more": (max(2, 3 * sms // 16), 32, 8, 4160),
+                                "few": (max(2, sms // 64), 64, 8, 2112)}[rows]
+    with _shares_forced(item_keys):
+        _run_shares_cases(random.Random(97), dtype, features, batch, hq, hkv, capacity, head_dim=64)
+        case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=64,
+                         capacity=capacity, past_lengths=[capacity - 1] * batch, dtype=DTYPES[dtype])
+        names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
+    assert _decode_shares_flags(names) == [True] and _decode_loader_codes(names, 64) == [8], names
+
+
+@pytest.mark.parametrize("bad_row,item_keys", [(0, -1), ("middle", 1024), ("last", -1)])
+def test_cuda_decode_shares_head_size_64_bad_row(bad_row, item_keys):
+    """The bad-row checks under the balanced partition at head size 64, forced on (fused in
+    place; _shares_shape's rows): a ragged batch whose bad row (its length past the capacity) is
+    the first, one in the middle or the last. No cache byte changes, every output is NaN, and
+    check_errors() raises the capacity flag alone."""
+    _require_tma_decode()
+    batch, hq, hkv, capacity, _ = _shares_shape()
+    past = _ragged_pasts(random.Random(101), batch, capacity)
+    row = {0: 0, "middle": batch // 2, "last": batch - 1}[bad_row]
+    case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=64, capacity=capacity,
+                     past_lengths=past, strided=True, dtype=torch.bfloat16, device="cuda", poison_unused=False)
+    case.seqlens_k[row] = capacity  # total capacity + 1
+    with _shares_forced(item_keys):
+        _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+
+
+def test_cuda_decode_shares_forced_at_head_size_128():
+    """set_decode_shares("force") at head size 128 on a call whose plan keeps the grid of splits
+    (16 rows of 8 kv heads on 2,100 keys): the call takes the partition's kernel and matches the
+    reference and the CPU backend, on equal rows, a ragged batch and short rows."""
+    _require_tma_decode()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, hq, hkv, capacity = max(2, sms // 8), 32, 8, 2100
+    assert gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)["shares"] == 0
+    with _shares_forced():
+        _run_shares_cases(random.Random(103), "bf16", [0, 2, 1], batch, hq, hkv, capacity)
+        case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128,
+                         capacity=capacity, past_lengths=[capacity - 1] * batch, dtype=torch.bfloat16)
+        names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
+    assert _decode_shares_flags(names) == [True], names
 
 
 @pytest.mark.parametrize("dtype,feature,nearly,grid", [

@@ -642,7 +642,7 @@ def test_tuning_switches_name_what_they_expect():
     with pytest.raises(ValueError, match=r"gqa: min_split_keys: expected 0\.\.1048576, got -1"):
         gqa_torch._C._set_decode_split_override(0, -1)
     gqa_torch._C._set_decode_split_override(0, 0)  # back to the plan's own choice
-    grids = "auto, items, two_per_sm, cut"
+    grids = "auto, items, two_per_sm, cut, force"
     with pytest.raises(ValueError, match=f'gqa: decode share grid: expected one of {grids}, got "sms"'):
         gqa_torch._C._set_decode_shares("sms", -1)
     with pytest.raises(ValueError, match=r"gqa: item_keys: expected -1\.\.1048576, got -2"):

@@ -234,11 +234,7 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     const bool share_short = p.capacity >= 4096 && slots > sms && 2 * slots <= 3 * sms;
     if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 &&
         (p.capacity >= 8192 ? share_band || share_long || share_few : share_short)) {
-      plan.shares = static_cast<int32_t>(sms);
-      plan.share_item_keys = 512;
-      plan.max_splits = kMaxInLaunchMergeSplits;
-      plan.longest_first = false;
-      clear_split_grid_rules(plan);
+      take_shares(plan, sms, 512);
     }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
@@ -274,6 +270,14 @@ void clear_split_grid_rules(Plan& plan) {
   plan.equal_rows_tail_splits = 0;
   plan.equal_rows_tail_items = 0;
   plan.ragged_splits = 0;
+}
+
+void take_shares(Plan& plan, int64_t sms, int32_t item_keys) {
+  plan.shares = static_cast<int32_t>(sms);
+  plan.share_item_keys = item_keys;
+  plan.max_splits = kMaxInLaunchMergeSplits;
+  plan.longest_first = false;
+  clear_split_grid_rules(plan);
 }
 
 void layout_workspace(Plan& plan, const Params& p) {

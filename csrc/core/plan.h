@@ -101,6 +101,11 @@ Plan make_plan(const Params& p, const DeviceInfo& device);
 // tail's splits, ragged_splits), which a pinned split count and the balanced partition replace.
 void clear_split_grid_rules(Plan& plan);
 
+// Takes the balanced partition (Plan::shares) over a grid of `sms` CTAs, each item weighed by its
+// keys plus `item_keys`, in place of the grid of splits' rules. (make_plan; the test hook that
+// forces the partition on, set_decode_shares("force"), then lays out the workspace again.)
+void take_shares(Plan& plan, int64_t sms, int32_t item_keys);
+
 // Fills plan.workspace from plan.route and plan.max_splits (make_plan calls it; a tuning hook
 // that changes max_splits calls it again).
 void layout_workspace(Plan& plan, const Params& p);

@@ -114,7 +114,7 @@ __device__ __forceinline__ void online_max_step(float& m, float tile_max, float&
 // (1,237 a warp; 7.56 against 6.27 us a call at B = 1, L = 1024: twenty-fourth round).
 // kShares (Work::shares): each CTA walks the segments of its share of the batch's keys
 // (shares_walk), running the body below once a segment; built only for the TMA loader at head
-// size 128 (launch_decode_kernel).
+// size 128 and the 32-key slices at 64 (decode_shares_built).
 template <typename T, int D, int kLoader, bool kPlain, bool kShares = false, bool kKeysM = false>
 __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
     decode_mma_kernel(const __grid_constant__ Params p, const Work w, const int fused,
@@ -1171,6 +1171,11 @@ inline size_t half_sm_smem() {
   return limit > 0 ? std::min(half, static_cast<size_t>(limit)) : half;
 }
 
+// Where the kShares kernel (Plan::shares) is built: the loader its head size's partition runs.
+constexpr bool decode_shares_built(int d, int loader) {
+  return (d == 128 && loader == kLoadTma) || (d == 64 && loader == kLoadTmaWide);
+}
+
 // Returns whether the splits merged inside this launch (the last CTA of each (row, kv head,
 // head chunk) to arrive); otherwise, with several splits, the caller runs the merge kernel.
 // w.arrivals: the stream's counters when there are enough of them, else null.
@@ -1191,8 +1196,9 @@ bool launch_decode_kernel(const Params& p, const Work& w, bool fused, cudaStream
   constexpr auto kernel = decode_mma_kernel<T, D, kLoader, kPlain, false, kKeysM>;
   // Plan::shares: a grid of w.shares CTAs, each walking its share of the keys, merged in the
   // launch (the plan's max_splits is the most CTAs an item spans). Built for the TMA loader at
-  // head size 128 only (launch_decode_mma_d takes it there); elsewhere the grid of splits.
-  if constexpr (D == 128 && kLoader == kLoadTma) {
+  // head size 128 and its 32-key slices at 64 only (launch_decode_mma_d takes them there);
+  // elsewhere the grid of splits.
+  if constexpr (decode_shares_built(D, kLoader)) {
     if (w.shares > 0 && w.arrivals != nullptr && w.max_splits <= kMaxInLaunchMergeSplits) {
       constexpr auto shares_kernel = decode_mma_kernel<T, D, kLoader, kPlain, true, kKeysM>;
       // A grid of at most one CTA an SM asks for more than half an SM's shared memory, so that
@@ -1378,8 +1384,10 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
       return launch_decode_loader<T, D, kLoadTmaOneAhead>(p, w, fused, stream, maps);
   }
   if constexpr (D == 64) {
+    // Plan::shares runs the 32-key slices' own ring (below), as at 128 the TMA loader's.
+    const bool shares = tma && w.shares > 0 && pinned == kPinLoaderAuto;
     const bool four_an_sm =
-        ctas > 3 * sms && split_keys <= 2048 && w.longest_first == 0 && !equal_rows_one_wave;
+        !shares && ctas > 3 * sms && split_keys <= 2048 && w.longest_first == 0 && !equal_rows_one_wave;
     if (tma && ((pinned == kPinLoaderAuto && four_an_sm) || pinned == kPinTmaShallow))
       return launch_decode_loader<T, D, kLoadTmaShallow>(p, w, fused, stream, maps);
     // Elsewhere at D = 64, where the splits hold 512 keys of capacity or more, TMA with 32 keys a
@@ -1399,7 +1407,7 @@ bool launch_decode_mma_d(const Params& p, const Work& w, bool fused, cudaStream_
     // tied at 14/2/64 L32768 (496 keys: 9.31 / 9.35; since stop 53 the plan gives that row 64
     // splits of 512 keys, and it takes this loader); with four CTAs an SM the three shallow
     // stages stay (B64 L1024 37.1 against 36.3).
-    const bool wide = !four_an_sm && split_keys >= 512;
+    const bool wide = shares || (!four_an_sm && split_keys >= 512);
     if (tma && ((pinned == kPinLoaderAuto && wide) || pinned == kPinTmaWide)) {
       // Maps whose boxes hold a warp's 32 keys (a slice).
       if (encode_cache_map(&maps.k, p.key_cache, p, 32, promotion) &&

@@ -27,6 +27,9 @@ namespace {
 std::atomic<bool> g_synchronous_errors{false};
 std::atomic<int32_t> g_split_override{0};
 std::atomic<int32_t> g_min_split_keys_override{0};
+// set_decode_shares("force", ...): the balanced partition wherever its kernel is built (decode at
+// head sizes 64 and 128, 1-128 rows), with this item weight; -1: off.
+std::atomic<int32_t> g_forced_share_item_keys{-1};
 }
 
 namespace {
@@ -176,10 +179,14 @@ void set_decode_l2_fetch(const std::string& fetch) {
 
 void set_decode_shares(const std::string& grid, int64_t item_keys) {
   // The index is the share grid code of kernels/launch.h.
-  static const char* const kGrids[] = {"auto", "items", "two_per_sm", "cut"};
+  // "force" (not a launch code): the plan's grid, taken wherever the kernel is built (run_cuda).
+  static const char* const kGrids[] = {"auto", "items", "two_per_sm", "cut", "force"};
   TORCH_CHECK_VALUE(item_keys >= -1 && item_keys <= (1 << 20), "gqa: item_keys: expected -1..1048576, got ",
                     item_keys);
-  const int code = switch_code(kGrids, grid, "decode share grid");
+  int code = switch_code(kGrids, grid, "decode share grid");
+  const bool force = grid == "force";
+  g_forced_share_item_keys = force ? static_cast<int32_t>(item_keys >= 0 ? item_keys : 512) : -1;
+  if (force) code = 0;
 #ifdef GQA_WITH_CUDA
   cuda::set_decode_shares(code, static_cast<int>(item_keys));
 #else
@@ -472,6 +479,12 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
     if (g_min_split_keys_override > 0) plan.min_split_keys = g_min_split_keys_override;
     clear_split_grid_rules(plan);  // (a batch of equal rows takes the pinned count too)
     plan.shares = 0;
+    layout_workspace(plan, p);
+  }
+  const int32_t forced_item_keys = g_forced_share_item_keys;
+  if (plan.route == Route::kDecode && forced_item_keys >= 0 && (p.head_dim == 64 || p.head_dim == 128) &&
+      p.batch <= 128) {
+    take_shares(plan, device_info(device).sm_count, forced_item_keys);
     layout_workspace(plan, p);
   }
   // One allocation from PyTorch's caching allocator (stream-ordered and capture-safe), when

@@ -83,8 +83,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_decode_shares", &gqa::set_decode_shares, pybind11::arg("grid"), pybind11::arg("item_keys"),
         "Tests and benchmarks: the grid of the decode kernel's balanced partition where the plan takes it, "
         "\"auto\" (the plan's, one CTA an SM), \"items\" (one CTA a row, kv head and head chunk), "
-        "\"two_per_sm\" or \"cut\" (the plan's, with equal rows' items cut as any others), and the keys' worth "
-        "each item weighs besides its keys (-1: the plan's).");
+        "\"two_per_sm\", \"cut\" (the plan's, with equal rows' items cut as any others) or \"force\" (the plan's "
+        "grid wherever the partition's kernel is built: decode at head sizes 64 and 128, up to 128 rows, whether "
+        "or not the plan takes it), and the keys' worth each item weighs besides its keys (-1: the plan's; 512 "
+        "under \"force\").");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count,
                            int32_t head_dim, bool four_warps_256) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0 ||
