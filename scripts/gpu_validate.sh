@@ -6,6 +6,7 @@
 #   bash scripts/gpu_validate.sh decode  # every non-prefill test of the five decode files in 13
 #                                        # processes (250 s in stop 68), then memcheck, racecheck
 #                                        # and synccheck over 172 tests, side by side
+#   bash scripts/gpu_validate.sh decode_tests  # decode's tests alone (no sanitizers)
 #   bash scripts/gpu_validate.sh rest    # the prefill GPU tests in seven processes beside the
 #                                        # other test files (the CUDA fuzz, parity, torch
 #                                        # integration, soak and concurrency, ORT)
@@ -113,6 +114,10 @@ case ${1:-} in
     # timeout.
     GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=240 \
       part sanitizers checks || status=1 ;;
+  decode_tests)
+    # decode's tests alone, without the sanitizers after them.
+    GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
+      GQA_TEST_SPLIT="$DECODE_SPLIT" part decode_tests checks || status=1 ;;
   rest)
     # Two test runs side by side, each told half the cores.
     GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TESTS="tests/test_cuda.py" GQA_TEST_K="prefill" GQA_TEST_TIMEOUT=340 \
@@ -133,6 +138,6 @@ case ${1:-} in
     small_smem_timings || status=1
     small_smem_checks || status=1 ;;
   *)
-    echo "usage: bash scripts/gpu_validate.sh decode|rest|bench|smem|grid"; exit 2 ;;
+    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|rest|bench|smem|grid"; exit 2 ;;
 esac
 exit $status

@@ -216,6 +216,14 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     assert plan["max_splits"] == max_splits, plan
 
 
+def test_decode_plan_takes_the_partition_at_head_size_64_only_with_its_tma_kernel():
+    """At head size 64 the balanced partition's kernel runs on a TMA loader (an sm90 device and an
+    sm90a build): without it the plan keeps the grid of splits; at 128 the rule does not ask."""
+    assert _C._decode_plan(20, 32, 8, 4096, 132, head_dim=64)["shares"] == 132
+    assert _C._decode_plan(20, 32, 8, 4096, 132, head_dim=64, four_warps_256=False)["shares"] == 0
+    assert _C._decode_plan(20, 32, 8, 4096, 132, head_dim=128, four_warps_256=False)["shares"] == 132
+
+
 @pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,takes_it", [
     (16, 64, 8, 8192, 128, True),     # bench_decode.py's B16 64/8 row: 128 items
     (12, 64, 8, 16384, 128, True),    # Llama 3 70B's heads, 12 rows: 96 items
@@ -242,8 +250,17 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     (25, 32, 8, 4096, 128, False),    # 200: more
     (40, 28, 4, 8191, 128, True),     # 160
     (20, 32, 8, 4095, 128, False),    # 160 items on fewer than 4,096 keys
-    (20, 32, 8, 4096, 64, False),     # head size 128 only
-    (16, 64, 8, 8192, 64, False),     # head size 128 only (the kernel is built there alone)
+    (20, 32, 8, 4096, 64, True),      # head size 64: 160 items on 4,096 keys
+    (24, 32, 8, 4096, 64, True),      # 192: at most 3/2 of the SMs
+    (25, 32, 8, 4096, 64, False),     # 200: more
+    (20, 32, 8, 4095, 64, False),     # fewer than 4,096 keys
+    (16, 64, 8, 8192, 64, False),     # 128 items: 7/8 of the SMs or more, and not more
+    (17, 64, 8, 8192, 64, True),      # 136
+    (12, 32, 8, 4096, 64, True),      # 96: more than 2/3 of the SMs, under 7/8
+    (11, 32, 8, 16384, 64, False),    # 88: 2/3 of them
+    (14, 32, 8, 4096, 64, True),      # 112
+    (15, 32, 8, 4096, 64, False),     # 120: 7/8 or more
+    (48, 14, 2, 4096, 64, True),      # 96 items of 7 query heads a kv head
     (16, 64, 8, 8192, 256, False),
     (1, 32, 8, 32768, 128, False),    # one row
 ])
@@ -254,8 +271,9 @@ def test_decode_plan_takes_the_balanced_partition(batch, hq, hkv, capacity, head
     most 7/4 of them; or 1/8 of them to half, where the equal rows' grid of splits would leave
     1/16 of its slots empty or more at two CTAs an SM, or 1/4 of the SMs idle at one; or more
     than 7/4 of them and up to 4 x on 16,384 keys of capacity or more; on 4,096-8,191 keys, more
-    than the SMs' count and at most 3/2 of it. An item spans at most 16 CTAs (max_splits), and
-    the grid-of-splits schedule is off."""
+    than the SMs' count and at most 3/2 of it. At head size 64, on 4,096 keys or more, that band
+    and more than 2/3 of the SMs' count to under 7/8 of it. An item spans at most 16 CTAs
+    (max_splits), and the grid-of-splits schedule is off."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert plan["shares"] == (132 if takes_it else 0), plan
     assert plan["share_item_keys"] == (512 if takes_it else 0), plan

@@ -185,7 +185,7 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // the share from below). Where the items do not divide the SMs, the grid of splits leaves
     // SMs idle or shares them unevenly, and it spreads a ragged batch only by its splits. Taken
     // at head size 128, on 8,192 keys of capacity or more, in three bands of the items' count
-    // (and one more on 4,096-8,191 keys, share_short).
+    // (and one more on 4,096-8,191 keys, share_short), and at head size 64 in two (share_64).
     // H200, interleaved, us, this / the grid of splits (SDPA cuDNN), NOTES.md:
     // - share_band, more than half the SMs' count and at most 7/4 of it (forty-ninth and
     //   fiftieth rounds). Equal rows: B12 64/8 L16384 189.7 / 225.7 (188.2); B16 248.9 / 302.0
@@ -232,8 +232,22 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // L4096 90.4 / 89.6), more (B28 32/8 L4096, 224 items, 158.2 / 160.8 but from 256 86.4 /
     // 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but B16 47.8 / 46.7). Not measured on an H200.
     const bool share_short = p.capacity >= 4096 && slots > sms && 2 * slots <= 3 * sms;
-    if (p.head_dim == 128 && p.batch >= 2 && p.batch <= 128 &&
-        (p.capacity >= 8192 ? share_band || share_long || share_few : share_short)) {
+    // At head size 64 (its kernel on the TMA loader's 32-key slices: an sm90 device and an sm90a
+    // build, as decode_four_warps_256), on 4,096 keys of capacity or more: share_short's items, and
+    // from 2/3 of the SMs' count to 7/8 of it, where the equal rows' grid of splits holds some SMs'
+    // two CTAs while others idle. Between 7/8 and the SMs' count one CTA an item (no split) is one
+    // wave already. H100, stop 80, one process, interleaved, us, this / the grid of splits (SDPA
+    // cuDNN): 32/8/64 L4096 B12 (96 items) 39.5 / 41.5 (38.1), B17 (136) 52.7 / 54.6 (49.7), B20
+    // 60.9 / 65.6 (57.6), B24 71.5 / 76.1 (67.8); L8192 B12 71.5 / 77.4 (72.0), B20 113.6 / 131.0
+    // (110.7), B24 134.8 / 149.9 (130.8); B12 L16384 134.2 / 150.8 (139.5); lengths from 256: B20
+    // L4096 36.4 / 40.0, B12 L8192 35.3 / 41.4. Not taken: B9 L4096 (72 items) 31.8 / 27.8, B16
+    // L4096 (128) 47.3 / 46.4, B64 14/2/64 L4096 (128) 48.6 / 46.7, B28 L4096 (224) 82.4 / 82.8,
+    // 2,048 keys (B20 34.5 / 34.9, B24 40.1 / 40.0, from 256 26.7 / 25.6; B80 14/2/64 36.1 / 35.6).
+    // Not measured on an H200.
+    const bool share_64 = device.decode_four_warps_256 && p.capacity >= 4096 &&
+                          ((3 * slots > 2 * sms && 8 * slots < 7 * sms) || (slots > sms && 2 * slots <= 3 * sms));
+    const bool share_128 = p.capacity >= 8192 ? share_band || share_long || share_few : share_short;
+    if (p.batch >= 2 && p.batch <= 128 && (p.head_dim == 128 ? share_128 : p.head_dim == 64 && share_64)) {
       take_shares(plan, sms, 512);
     }
   } else {

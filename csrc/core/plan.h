@@ -73,7 +73,7 @@ struct Plan {
   // Decode: the splits a ragged batch's row takes where that is fewer than max_splits (the
   // tail's room, above); 0: max_splits.
   int32_t ragged_splits = 0;
-  // Decode, at head size 128: a balanced partition of the batch's keys over a grid of `shares`
+  // Decode, at head sizes 128 and 64: a balanced partition of the batch's keys over a grid of `shares`
   // CTAs (decode_schedule.cuh, shares_walk): each CTA takes an equal share of the visible keys
   // of every (row, kv head, head chunk) laid end to end, so that no CTA of the grid is idle
   // whatever the rows' lengths; the CTAs that share an item merge in the launch (max_splits is
