@@ -9,8 +9,8 @@ grid and any other shapes (CUDA-graph replays, inputs rotated beyond L2, as benc
 so that the ratio ours / cuDNN carries no drift of the clocks between runs. `--pins` adds our
 call with a switch pinned, interleaved with the rest: `splits=N` (the decode split count,
 _set_decode_split_override) or `merge=`, `loader=`, `schedule=`, `l2=`, `features=` (the _set_decode_*
-switches; `shares=GRID/KEYS` the balanced partition's grid and item weight, as `shares=two_per_sm/256`, or
-`shares=force/KEYS` it wherever its kernel is built;
+switches; `shares=GRID/KEYS` the balanced partition's grid and item weight, as
+`shares=two_per_sm/256`, or `shares=force/KEYS` it wherever its kernel is built;
 `schedule=keep_splits` keeps the plan's splits for a batch of equal rows, `l2=on` and
 `l2=off` pin the L2 prefetch before the PDL wait, `features=general` the decode kernel with every
 feature compiled in); pins joined by `+` (`splits=1+schedule=longest_first`) make one column.

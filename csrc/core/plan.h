@@ -73,11 +73,11 @@ struct Plan {
   // Decode: the splits a ragged batch's row takes where that is fewer than max_splits (the
   // tail's room, above); 0: max_splits.
   int32_t ragged_splits = 0;
-  // Decode, at head sizes 128 and 64: a balanced partition of the batch's keys over a grid of `shares`
-  // CTAs (decode_schedule.cuh, shares_walk): each CTA takes an equal share of the visible keys
-  // of every (row, kv head, head chunk) laid end to end, so that no CTA of the grid is idle
-  // whatever the rows' lengths; the CTAs that share an item merge in the launch (max_splits is
-  // then the most CTAs an item spans). 0: the grid of splits above.
+  // Decode, at head sizes 128 and 64: a balanced partition of the batch's keys over a grid of
+  // `shares` CTAs (decode_schedule.cuh, shares_walk): each CTA takes an equal share of the
+  // visible keys of every (row, kv head, head chunk) laid end to end, so that no CTA of the grid
+  // is idle whatever the rows' lengths; the CTAs that share an item merge in the launch
+  // (max_splits is then the most CTAs an item spans). 0: the grid of splits above.
   int32_t shares = 0;
   // Under shares: how many keys' worth of time serving an item costs besides its keys, which
   // the partition weighs each item by on top of its keys, so that a CTA whose share holds many
