@@ -633,19 +633,25 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
             _run_cuda_and_cpu(case)
 
 
-def _decode_keys_as_rows_flags(names):
-    """Whether each decode kernel among the profiler's kernel names is the keys-as-rows form
-    (decode_mma_kernel's last template argument, kKeysM), demangled or not."""
-    flags = []
+def _decode_kernel_bools(names):
+    """decode_mma_kernel's last three template arguments (kPlain, kShares, kKeysM) for each
+    decode kernel among the profiler's kernel names, demangled or not."""
+    bools = []
     for name in names:
         m = re.search(r"decode_mma_kernel<([^<>]*)>", name)
         if m:
-            flags.append(m.group(1).split(",")[-1].strip() in ("true", "1", "(bool)1"))
+            bools.append(tuple(v.strip() in ("true", "1", "(bool)1") for v in m.group(1).split(",")[-3:]))
             continue
         m = re.search(r"decode_mma_kernelI\w*?((?:Lb[01]E){3})E", name)
         if m:
-            flags.append(m.group(1).endswith("Lb1E"))
-    return flags
+            bools.append(tuple(m.group(1)[i + 2] == "1" for i in (0, 4, 8)))
+    return bools
+
+
+def _decode_keys_as_rows_flags(names):
+    """Whether each decode kernel among the profiler's kernel names is the keys-as-rows form
+    (decode_mma_kernel's last template argument, kKeysM)."""
+    return [keys_m for _, _, keys_m in _decode_kernel_bools(names)]
 
 
 @pytest.mark.parametrize("hq,hkv,head_dim,loader,keys_as_rows", [
@@ -1388,18 +1394,8 @@ def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity, first=0, h
 
 def _decode_shares_flags(names):
     """Whether each decode kernel among the profiler's kernel names is the balanced partition's
-    (decode_mma_kernel's kShares, the second of its last three template arguments), demangled or
-    not."""
-    flags = []
-    for name in names:
-        m = re.search(r"decode_mma_kernel<([^<>]*)>", name)
-        if m:
-            flags.append(m.group(1).split(",")[-2].strip() in ("true", "1", "(bool)1"))
-            continue
-        m = re.search(r"decode_mma_kernelI\w*?((?:Lb[01]E){3})E", name)
-        if m:
-            flags.append(m.group(1)[4:8] == "Lb1E")
-    return flags
+    (decode_mma_kernel's kShares)."""
+    return [shares for _, shares, _ in _decode_kernel_bools(names)]
 
 
 @contextlib.contextmanager
