@@ -1410,6 +1410,8 @@ def _shares_forced(item_keys=-1):
 
 
 def _require_tma_decode():
+    """Skips, saying why, where the decode kernel has no TMA loaders (not an sm90 GPU, or a build
+    without 9.0a code): the balanced partition's kernel is built on them alone."""
     if torch.cuda.get_device_capability()[0] != 9 or "9.0a" not in gqa_torch.build_info()["cuda_archs"]:
         pytest.skip("the balanced partition's kernel (a TMA loader) needs an sm90 GPU and a 9.0a build")
 
