@@ -14,7 +14,8 @@ struct DeviceInfo {
   int32_t sm_count = 132;
   int32_t sm_major = 9;
   // The decode kernel has four warps a CTA at head size 256 (its TMA loader: an sm90 device and
-  // a build with sm90a code), which take one CTA an SM (kernels/decode_mma.cuh, DecodeCfg).
+  // a build with sm90a code), which take one CTA an SM (kernels/decode_mma.cuh, DecodeCfg). The
+  // same condition gives the balanced partition its kernel at head size 64 (plan.cpp, share_64).
   bool decode_four_warps_256 = true;
 };
 

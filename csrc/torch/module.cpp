@@ -121,7 +121,8 @@ PYBIND11_MODULE(_C, m) {
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
         pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, pybind11::arg("four_warps_256") = true,
         "Tests: the decode plan's split counts, row order, CTAs an SM and waves for these shapes (core/plan.cpp), on the "
-        "host (four_warps_256: DeviceInfo::decode_four_warps_256, true on an H200 with an sm90a build).");
+        "host (four_warps_256: DeviceInfo::decode_four_warps_256, true on an sm90 GPU with an sm90a build, where the "
+        "decode kernel has its TMA loaders: four warps a CTA at head size 256 and the partition at 64).");
   m.def("_set_smem_limit", &gqa::set_smem_limit_override, pybind11::arg("bytes"),
         "Tests: pretend a block may hold at most `bytes` of dynamic shared memory and leave the sm90a kernels out "
         "(0: the device's own), so that an H100 or H200 runs what other GPUs run (kernels/launch.h).");
