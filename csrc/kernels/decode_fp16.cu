@@ -1,5 +1,5 @@
 // Tensor-core decode instantiations for __half (one file per dtype so they build in parallel).
-#include "decode_mma.cuh"
+#include "decode_launch.cuh"
 #include "kernels.h"
 
 namespace gqa {
