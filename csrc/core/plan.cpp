@@ -248,7 +248,7 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
                           ((3 * slots > 2 * sms && 8 * slots < 7 * sms) || (slots > sms && 2 * slots <= 3 * sms));
     const bool share_128 = p.capacity >= 8192 ? share_band || share_long || share_few : share_short;
     if (p.batch >= 2 && p.batch <= 128 && (p.head_dim == 128 ? share_128 : p.head_dim == 64 && share_64)) {
-      take_shares(plan, sms, 512);
+      take_shares(plan, sms, kShareItemKeys);
     }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few

@@ -88,6 +88,9 @@ struct Plan {
   WorkspaceLayout workspace;
 };
 
+// Plan::share_item_keys where the plan takes the partition (and the "force" pin's default).
+constexpr int32_t kShareItemKeys = 512;
+
 // The most splits a decode launch merges inside itself (the last split CTA of each slot to
 // arrive, decode_arrival.cuh); with more, the merge kernel runs after it.
 constexpr int32_t kMaxInLaunchMergeSplits = 16;

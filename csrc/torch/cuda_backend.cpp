@@ -185,7 +185,7 @@ void set_decode_shares(const std::string& grid, int64_t item_keys) {
                     item_keys);
   int code = switch_code(kGrids, grid, "decode share grid");
   const bool force = grid == "force";
-  g_forced_share_item_keys = force ? static_cast<int32_t>(item_keys >= 0 ? item_keys : 512) : -1;
+  g_forced_share_item_keys = force ? static_cast<int32_t>(item_keys >= 0 ? item_keys : kShareItemKeys) : -1;
   if (force) code = 0;
 #ifdef GQA_WITH_CUDA
   cuda::set_decode_shares(code, static_cast<int>(item_keys));
@@ -472,7 +472,8 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
     p.arrival_slots = p.arrival_counters != nullptr ? kArrivalSlots : 0;
   }
 
-  Plan plan = make_plan(p, device_info(device));
+  const DeviceInfo info = device_info(device);
+  Plan plan = make_plan(p, info);
   if (plan.route == Route::kDecode && (g_split_override > 0 || g_min_split_keys_override > 0)) {
     if (plan.ragged_splits > 0) plan.max_splits = plan.ragged_splits;  // (no tail splits: the plan's own)
     if (g_split_override > 0) plan.max_splits = g_split_override;
@@ -484,7 +485,7 @@ void run_cuda(Params& p, const at::Tensor& query, bool synchronous_check) {
   const int32_t forced_item_keys = g_forced_share_item_keys;
   if (plan.route == Route::kDecode && forced_item_keys >= 0 && (p.head_dim == 64 || p.head_dim == 128) &&
       p.batch <= 128) {
-    take_shares(plan, device_info(device).sm_count, forced_item_keys);
+    take_shares(plan, info.sm_count, forced_item_keys);
     layout_workspace(plan, p);
   }
   // One allocation from PyTorch's caching allocator (stream-ordered and capture-safe), when
