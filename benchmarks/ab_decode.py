@@ -143,6 +143,9 @@ def main() -> None:
                         help="add MODEL_SHAPES (common models' decode shapes) after --shapes")
     parser.add_argument("--flash", action="store_true", help="also time SDPA flash (a column of its own)")
     parser.add_argument("--tag", default="", help="a name for this build, printed on every line")
+    parser.add_argument("--smem-limit", type=int, default=0,
+                        help="time our calls as on a GPU whose block holds at most this many bytes of shared memory "
+                             "and that has no sm90a kernels (_C._set_smem_limit): 166912 an A100, 101376 sm86/sm89")
     args = parser.parse_args()
     for pin in args.pins:
         pin_parts(pin)  # (refuses a bad one before any timing)
@@ -152,6 +155,7 @@ def main() -> None:
     assert gqa_torch.cuda_kernels_available(), "needs a GPU and a CUDA build"
     torch.manual_seed(0)
     warm_up_gpu()
+    gqa_torch._C._set_smem_limit(args.smem_limit)  # (read as each call is enqueued and captured)
     for index, (b, hq, hkv, d, length, low) in shapes:
         times = time_row(b, hq, hkv, d, length, args.pins, low, args.flash)
         ours, cudnn = times.pop("ours"), times.pop("cudnn")

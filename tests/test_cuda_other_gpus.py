@@ -24,11 +24,12 @@ import torch
 
 import gqa_torch
 from conftest import DTYPES, make_case, requires_cuda, run_and_check
-from test_cuda import _cuda_kernel_names_or_skip, _decode_loader_codes
+from test_cuda import _cuda_kernel_names_or_skip, _decode_loader_codes, _shares_forced
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
 SM86_BLOCK_BYTES = 99 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86, sm89 and sm120
+SM80_BLOCK_BYTES = 163 * 1024  # ... on sm80 (A100)
 
 
 @pytest.fixture
@@ -106,6 +107,48 @@ def test_decode_under_a_99kb_budget_more_rows_than_threads_runs_the_narrow_loade
     smem_budget(SM86_BLOCK_BYTES)
     names = _cuda_kernel_names_or_skip(_many_ragged_rows(head_dim).run)
     assert _decode_loader_codes(names, head_dim) == [9], names
+
+
+def _bytes_allocated_by(call):
+    """The most memory PyTorch's caching allocator handed out during call() beyond what was held
+    before it: the op's output and its workspace."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.parametrize("budget", [SM80_BLOCK_BYTES, SM86_BLOCK_BYTES])
+@pytest.mark.parametrize("head_dim,batch,num_heads,capacity", [(128, 9, 16, 8192), (64, 12, 32, 4096)])
+def test_decode_without_tma_loaders_keeps_the_grid_of_splits(head_dim, batch, num_heads, capacity, budget,
+                                                             smem_budget):
+    """Shapes inside the balanced partition's bands (72 items at head size 128, 96 at 64), where
+    its kernel cannot run (it is built on the TMA loaders alone): the plan keeps its grid of
+    splits, whose partial outputs take a fraction of the 16 splits an item that the launch runs
+    in its stead when the partition is forced on; and both compute the reference's output."""
+    smem_budget(budget)
+
+    def case():
+        return make_case("inplace", batch=batch, seq=1, num_heads=num_heads, kv_num_heads=8, head_dim=head_dim,
+                         capacity=capacity, dtype=torch.bfloat16, device="cuda")
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = gqa_torch._C._decode_plan(batch, num_heads, 8, capacity, sms, head_dim=head_dim, tma_kernels=False)
+    assert plan["shares"] == 0 and plan["max_splits"] < 16, plan
+    auto = case()
+    auto_bytes = _bytes_allocated_by(auto.run)
+    with _shares_forced():
+        forced = case()
+        forced_bytes = _bytes_allocated_by(forced.run)
+        run_and_check(case(), suite="cuda_small_smem")
+    run_and_check(case(), suite="cuda_small_smem")
+    # The partial outputs: batch x num_heads x splits x head_dim floats.
+    partials_a_split = batch * num_heads * head_dim * 4
+    assert forced_bytes - auto_bytes >= (16 - plan["max_splits"]) * partials_a_split, (auto_bytes, forced_bytes)
+    torch.cuda.synchronize()
+    gqa_torch.check_errors()
 
 
 def _prefill_cases(head_dim, dtype):

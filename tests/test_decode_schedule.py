@@ -53,7 +53,7 @@ def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128
     plain split count."""
     assert _C._decode_plan(batch, 32, 8, capacity, 132)["max_splits"] == max_splits_128
     assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=128)["max_splits"] == max_splits_128
-    assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256, four_warps_256=False)["max_splits"] == two_warps_256
+    assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256, tma_kernels=False)["max_splits"] == two_warps_256
     assert _C._decode_plan(batch, 32, 8, capacity, 132, head_dim=256)["max_splits"] == four_warps_256
 
 
@@ -186,7 +186,7 @@ def test_decode_plan_sizes_the_last_wave_at_head_size_256_only_with_four_warps(b
     wave, and no slot takes more splits."""
     four = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=256)
     assert four["equal_rows_tail_splits"] >= 2 and four["equal_rows_tail_items"] == batch * hkv - 132, four
-    two = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=256, four_warps_256=False)
+    two = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=256, tma_kernels=False)
     assert two["equal_rows_tail_splits"] == two["equal_rows_tail_items"] == two["ragged_splits"] == 0, two
 
 
@@ -216,12 +216,18 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     assert plan["max_splits"] == max_splits, plan
 
 
-def test_decode_plan_takes_the_partition_at_head_size_64_only_with_its_tma_kernel():
-    """At head size 64 the balanced partition's kernel runs on a TMA loader (an sm90 device and an
-    sm90a build): without it the plan keeps the grid of splits; at 128 the rule does not ask."""
-    assert _C._decode_plan(20, 32, 8, 4096, 132, head_dim=64)["shares"] == 132
-    assert _C._decode_plan(20, 32, 8, 4096, 132, head_dim=64, four_warps_256=False)["shares"] == 0
-    assert _C._decode_plan(20, 32, 8, 4096, 132, head_dim=128, four_warps_256=False)["shares"] == 132
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim", [
+    (20, 32, 8, 4096, 64), (12, 32, 8, 8192, 64), (16, 64, 8, 8192, 128), (6, 64, 8, 16384, 128),
+    (30, 32, 8, 16384, 128), (20, 32, 8, 4096, 128)])
+def test_decode_plan_takes_the_partition_only_with_its_tma_kernel(batch, hq, hkv, capacity, head_dim):
+    """The balanced partition's kernel runs on a TMA loader (an sm90 device and an sm90a build):
+    without one the plan keeps its grid of splits at head sizes 64 and 128 alike, which the
+    launch would otherwise have replaced by a plain grid of 16 splits an item (one shape from
+    each of the partition's bands)."""
+    assert _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)["shares"] == 132
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim, tma_kernels=False)
+    assert plan["shares"] == plan["share_item_keys"] == 0, plan
+    assert plan["max_splits"] < 16, plan
 
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,takes_it", [

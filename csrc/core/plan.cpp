@@ -49,14 +49,14 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // round: B8 L8192, 4 splits 68.7 us against 2 splits 71.3.
     // At head size 256 a CTA of two warps (decode_mma.cuh) paid two an SM from splits of 256
     // keys (H200, thirtieth round: B8 32/8/256 L1024 in 4 splits 31.1 us against 34.8 in 2).
-    // Where the kernel has four warps a CTA there (DeviceInfo::decode_four_warps_256), one wave
+    // Where the kernel has four warps a CTA there (DeviceInfo::decode_tma_kernels), one wave
     // of them at one CTA an SM is faster (thirty-ninth round, interleaved, us, four warps /
     // two warps two CTAs an SM: B8 L1024 in 2 splits 23.5 / 28.7 in 4, B8 L8192 128.1 / 137.9,
     // B4 L8192 in 4 splits 69.2 / 79.9 in 8, B2 L8192 in 8 40.3 / 50.8 in 16), so none there.
     const int64_t hchunks = decode_head_chunks(p.group_size);  // CTAs a kv head
     const int64_t slots = base_ctas * hchunks;                  // CTAs a split: (row, kv head, head chunk)
     const int64_t two_per_sm = 2 * sms / (slots > 0 ? slots : 1);
-    const bool four_warps = p.head_dim == 256 && device.decode_four_warps_256;
+    const bool four_warps = p.head_dim == 256 && device.decode_tma_kernels;
     const int64_t two_per_sm_min_keys = p.head_dim == 256 ? 256 : 2048;
     if (!four_warps && two_per_sm > splits && p.capacity / two_per_sm >= two_per_sm_min_keys) splits = two_per_sm;
     if (splits < 1) splits = 1;
@@ -186,6 +186,9 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // SMs idle or shares them unevenly, and it spreads a ragged batch only by its splits. Taken
     // at head size 128, on 8,192 keys of capacity or more, in three bands of the items' count
     // (and one more on 4,096-8,191 keys, share_short), and at head size 64 in two (share_64).
+    // Its kernel runs on the TMA loaders alone (DeviceInfo::decode_tma_kernels); without them the
+    // launch would run a plain grid of kMaxInLaunchMergeSplits splits an item, so the plan keeps
+    // its grid of splits there (stop 81).
     // H200, interleaved, us, this / the grid of splits (SDPA cuDNN), NOTES.md:
     // - share_band, more than half the SMs' count and at most 7/4 of it (forty-ninth and
     //   fiftieth rounds). Equal rows: B12 64/8 L16384 189.7 / 225.7 (188.2); B16 248.9 / 302.0
@@ -232,10 +235,9 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // L4096 90.4 / 89.6), more (B28 32/8 L4096, 224 items, 158.2 / 160.8 but from 256 86.4 /
     // 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but B16 47.8 / 46.7). Not measured on an H200.
     const bool share_short = p.capacity >= 4096 && slots > sms && 2 * slots <= 3 * sms;
-    // At head size 64 (its kernel on the TMA loader's 32-key slices: an sm90 device and an sm90a
-    // build, as decode_four_warps_256), on 4,096 keys of capacity or more: share_short's items, and
-    // from 2/3 of the SMs' count to 7/8 of it, where the equal rows' grid of splits holds some SMs'
-    // two CTAs while others idle. Between 7/8 and the SMs' count one CTA an item (no split) is one
+    // At head size 64 (its kernel on the TMA loader's 32-key slices), on 4,096 keys of capacity or
+    // more: share_short's items, and from 2/3 of the SMs' count to 7/8 of it, where the equal
+    // rows' grid of splits holds some SMs' two CTAs while others idle. Between 7/8 and the SMs' count one CTA an item (no split) is one
     // wave already. H100, stop 80, one process, interleaved, us, this / the grid of splits (SDPA
     // cuDNN): 32/8/64 L4096 B12 (96 items) 39.5 / 41.5 (38.1), B17 (136) 52.7 / 54.6 (49.7), B20
     // 60.9 / 65.6 (57.6), B24 71.5 / 76.1 (67.8); L8192 B12 71.5 / 77.4 (72.0), B20 113.6 / 131.0
@@ -244,10 +246,11 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // L4096 (128) 47.3 / 46.4, B64 14/2/64 L4096 (128) 48.6 / 46.7, B28 L4096 (224) 82.4 / 82.8,
     // 2,048 keys (B20 34.5 / 34.9, B24 40.1 / 40.0, from 256 26.7 / 25.6; B80 14/2/64 36.1 / 35.6).
     // Not measured on an H200.
-    const bool share_64 = device.decode_four_warps_256 && p.capacity >= 4096 &&
+    const bool share_64 = p.capacity >= 4096 &&
                           ((3 * slots > 2 * sms && 8 * slots < 7 * sms) || (slots > sms && 2 * slots <= 3 * sms));
     const bool share_128 = p.capacity >= 8192 ? share_band || share_long || share_few : share_short;
-    if (p.batch >= 2 && p.batch <= 128 && (p.head_dim == 128 ? share_128 : p.head_dim == 64 && share_64)) {
+    if (device.decode_tma_kernels && p.batch >= 2 && p.batch <= 128 &&
+        (p.head_dim == 128 ? share_128 : p.head_dim == 64 && share_64)) {
       take_shares(plan, sms, kShareItemKeys);
     }
   } else {

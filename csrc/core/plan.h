@@ -13,10 +13,11 @@ namespace gqa {
 struct DeviceInfo {
   int32_t sm_count = 132;
   int32_t sm_major = 9;
-  // The decode kernel has four warps a CTA at head size 256 (its TMA loader: an sm90 device and
-  // a build with sm90a code), which take one CTA an SM (kernels/decode_mma.cuh, DecodeCfg). The
-  // same condition gives the balanced partition its kernel at head size 64 (plan.cpp, share_64).
-  bool decode_four_warps_256 = true;
+  // The decode kernel's TMA loaders can run (an sm90 device, a build with sm90a code, and no test
+  // budget of shared memory standing in for another GPU: kernels/launch.h). They give it four
+  // warps a CTA at head size 256, which take one CTA an SM (kernels/decode_cfg.cuh, DecodeCfg),
+  // and the balanced partition's kernel, built on them alone (plan.cpp, share_64 and share_128).
+  bool decode_tma_kernels = true;
 };
 
 enum class Route : int32_t {

@@ -44,7 +44,9 @@ void set_decode_schedule(int schedule) { detail::g_decode_schedule.store(schedul
 void set_decode_features(int features) { detail::g_decode_features.store(features, std::memory_order_relaxed); }
 void set_decode_early_tiles(int early) { detail::g_decode_early_tiles.store(early, std::memory_order_relaxed); }
 void set_decode_l2_prefetch(int prefetch) { detail::g_decode_l2_prefetch.store(prefetch, std::memory_order_relaxed); }
-bool decode_four_warps_256(int sm_major) { return detail::kBuiltSm90a && sm_major == 9; }
+bool decode_tma_kernels(int sm_major) {
+  return detail::kBuiltSm90a && sm_major == 9 && detail::g_smem_limit_override.load(std::memory_order_relaxed) == 0;
+}
 void set_decode_shares(int grid, int item_keys) {
   detail::g_decode_share_grid.store(grid, std::memory_order_relaxed);
   detail::g_decode_share_keys.store(item_keys, std::memory_order_relaxed);

@@ -62,10 +62,11 @@ enum DecodeLoaderPin : int {
   kDecodeLoaderPins = 10  // how many
 };
 
-// Whether the decode kernel has its four-warp layout at head size 256 (DecodeCfg) on a device of
-// compute capability major `sm_major`: an sm90 device and a build with sm90a code. The plan
-// keeps those CTAs to one an SM (DeviceInfo::decode_four_warps_256).
-bool decode_four_warps_256(int sm_major);
+// Whether the decode kernel's TMA loaders can run on a device of compute capability major
+// `sm_major`: an sm90 device, a build with sm90a code, and no budget set by
+// set_smem_limit_override (which stands in for a GPU without them). The plan reads it as
+// DeviceInfo::decode_tma_kernels: four warps a CTA at head size 256, and the balanced partition.
+bool decode_tma_kernels(int sm_major);
 
 // Tests and benchmarks: how the tensor-core decode kernel's splits are merged. 0 auto (up to
 // 16 splits, inside the launch by the last split CTA to finish, where the stream has arrival

@@ -27,8 +27,9 @@ namespace {
 std::atomic<bool> g_synchronous_errors{false};
 std::atomic<int32_t> g_split_override{0};
 std::atomic<int32_t> g_min_split_keys_override{0};
-// set_decode_shares("force", ...): the balanced partition wherever its kernel is built (decode at
-// head sizes 64 and 128, 1-128 rows), with this item weight; -1: off.
+// set_decode_shares("force", ...): the balanced partition for decode at head sizes 64 and 128, 1-128
+// rows, with this item weight (without the TMA loaders its kernel is built on, the launch runs 16
+// splits an item instead: the plan's choice before stop 81); -1: off.
 std::atomic<int32_t> g_forced_share_item_keys{-1};
 }
 
@@ -179,7 +180,7 @@ void set_decode_l2_fetch(const std::string& fetch) {
 
 void set_decode_shares(const std::string& grid, int64_t item_keys) {
   // The index is the share grid code of kernels/launch.h.
-  // "force" (not a launch code): the plan's grid, taken wherever the kernel is built (run_cuda).
+  // "force" (not a launch code): the plan's grid, taken for head sizes 64 and 128 (run_cuda).
   static const char* const kGrids[] = {"auto", "items", "two_per_sm", "cut", "force"};
   TORCH_CHECK_VALUE(item_keys >= -1 && item_keys <= (1 << 20), "gqa: item_keys: expected -1..1048576, got ",
                     item_keys);
@@ -418,7 +419,7 @@ DeviceInfo device_info(int device) {
   DeviceInfo info;
   info.sm_count = prop->multiProcessorCount;
   info.sm_major = prop->major;
-  info.decode_four_warps_256 = gqa::cuda::decode_four_warps_256(prop->major);
+  info.decode_tma_kernels = gqa::cuda::decode_tma_kernels(prop->major);
   return info;
 }
 

@@ -84,11 +84,11 @@ PYBIND11_MODULE(_C, m) {
         "Tests and benchmarks: the grid of the decode kernel's balanced partition where the plan takes it, "
         "\"auto\" (the plan's, one CTA an SM), \"items\" (one CTA a row, kv head and head chunk), "
         "\"two_per_sm\", \"cut\" (the plan's, with equal rows' items cut as any others) or \"force\" (the plan's "
-        "grid wherever the partition's kernel is built: decode at head sizes 64 and 128, up to 128 rows, whether "
-        "or not the plan takes it), and the keys' worth each item weighs besides its keys (-1: the plan's; 512 "
+        "grid for decode at head sizes 64 and 128, up to 128 rows, whether or not the plan takes it; where the "
+        "partition's kernel is not built, without TMA loaders, the launch runs 16 splits an item instead), and the keys' worth each item weighs besides its keys (-1: the plan's; 512 "
         "under \"force\").");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count,
-                           int32_t head_dim, bool four_warps_256) {
+                           int32_t head_dim, bool tma_kernels) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0 ||
         head_dim <= 0)
       throw std::invalid_argument("_decode_plan: expected positive sizes with kv_heads dividing q_heads");
@@ -102,7 +102,7 @@ PYBIND11_MODULE(_C, m) {
     p.capacity = capacity;
     gqa::DeviceInfo device;
     device.sm_count = sm_count;
-    device.decode_four_warps_256 = four_warps_256;
+    device.decode_tma_kernels = tma_kernels;
     const gqa::Plan plan = gqa::make_plan(p, device);
     pybind11::dict out;
     out["max_splits"] = plan.max_splits;
@@ -119,10 +119,10 @@ PYBIND11_MODULE(_C, m) {
     out["ragged_splits"] = plan.ragged_splits;
     return out;
   }, pybind11::arg("batch"), pybind11::arg("q_heads"), pybind11::arg("kv_heads"), pybind11::arg("capacity"),
-        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, pybind11::arg("four_warps_256") = true,
+        pybind11::arg("sm_count"), pybind11::arg("head_dim") = 128, pybind11::arg("tma_kernels") = true,
         "Tests: the decode plan's split counts, row order, CTAs an SM and waves for these shapes (core/plan.cpp), on the "
-        "host (four_warps_256: DeviceInfo::decode_four_warps_256, true on an sm90 GPU with an sm90a build, where the "
-        "decode kernel has its TMA loaders: four warps a CTA at head size 256 and the partition at 64).");
+        "host (tma_kernels: DeviceInfo::decode_tma_kernels, true on an sm90 GPU with an sm90a build, where the decode "
+        "kernel has its TMA loaders: four warps a CTA at head size 256, and the balanced partition at 64 and 128).");
   m.def("_set_smem_limit", &gqa::set_smem_limit_override, pybind11::arg("bytes"),
         "Tests: pretend a block may hold at most `bytes` of dynamic shared memory and leave the sm90a kernels out "
         "(0: the device's own), so that an H100 or H200 runs what other GPUs run (kernels/launch.h).");
