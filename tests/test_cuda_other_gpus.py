@@ -122,12 +122,13 @@ def _bytes_allocated_by(call):
 
 @pytest.mark.parametrize("budget", [SM80_BLOCK_BYTES, SM86_BLOCK_BYTES])
 @pytest.mark.parametrize("head_dim,batch,num_heads,capacity", [(128, 9, 16, 8192), (64, 12, 32, 4096)])
-def test_decode_without_tma_loaders_keeps_the_grid_of_splits(head_dim, batch, num_heads, capacity, budget,
-                                                             smem_budget):
+def test_decode_without_tma_loaders_takes_16_splits_in_the_partition_bands(head_dim, batch, num_heads, capacity,
+                                                                           budget, smem_budget):
     """Shapes inside the balanced partition's bands (72 items at head size 128, 96 at 64), where
-    its kernel cannot run (it is built on the TMA loaders alone): the plan keeps its grid of
-    splits, whose partial outputs take a fraction of the 16 splits an item that the launch runs
-    in its stead when the partition is forced on; and both compute the reference's output."""
+    its kernel cannot run (it is built on the TMA loaders alone): the call plans 16 splits an item
+    (its partial outputs take as much memory as the partition forced on, which the launch runs
+    the same way, and more than the grid of splits' own count would), and computes the
+    reference's output (ragged rows), either way."""
     smem_budget(budget)
 
     def case():
@@ -136,17 +137,21 @@ def test_decode_without_tma_loaders_keeps_the_grid_of_splits(head_dim, batch, nu
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = gqa_torch._C._decode_plan(batch, num_heads, 8, capacity, sms, head_dim=head_dim, tma_kernels=False)
-    assert plan["shares"] == 0 and plan["max_splits"] < 16, plan
-    auto = case()
-    auto_bytes = _bytes_allocated_by(auto.run)
+    assert plan["shares"] == 0 and plan["max_splits"] == 16, plan
+    auto_bytes = _bytes_allocated_by(case().run)
     with _shares_forced():
-        forced = case()
-        forced_bytes = _bytes_allocated_by(forced.run)
+        forced_bytes = _bytes_allocated_by(case().run)
         run_and_check(case(), suite="cuda_small_smem")
     run_and_check(case(), suite="cuda_small_smem")
-    # The partial outputs: batch x num_heads x splits x head_dim floats.
-    partials_a_split = batch * num_heads * head_dim * 4
-    assert forced_bytes - auto_bytes >= (16 - plan["max_splits"]) * partials_a_split, (auto_bytes, forced_bytes)
+    assert auto_bytes == forced_bytes, (auto_bytes, forced_bytes)
+    # Against the grid of splits at the count a pinned one would take (4 splits, two CTAs an SM):
+    # the partials are batch x num_heads x splits x head_dim floats.
+    gqa_torch._C._set_decode_split_override(4, 0)
+    try:
+        pinned_bytes = _bytes_allocated_by(case().run)
+    finally:
+        gqa_torch._C._set_decode_split_override(0, 0)
+    assert auto_bytes - pinned_bytes >= 12 * batch * num_heads * head_dim * 4, (auto_bytes, pinned_bytes)
     torch.cuda.synchronize()
     gqa_torch.check_errors()
 

@@ -221,13 +221,23 @@ def test_decode_plan_takes_a_power_of_two_of_splits_where_it_idles_few_sms(batch
     (30, 32, 8, 16384, 128), (20, 32, 8, 4096, 128)])
 def test_decode_plan_takes_the_partition_only_with_its_tma_kernel(batch, hq, hkv, capacity, head_dim):
     """The balanced partition's kernel runs on a TMA loader (an sm90 device and an sm90a build):
-    without one the plan keeps its grid of splits at head sizes 64 and 128 alike, which the
-    launch would otherwise have replaced by a plain grid of 16 splits an item (one shape from
-    each of the partition's bands)."""
+    without one its bands take a plain grid of 16 splits an item in the rows' order, at head
+    sizes 64 and 128 alike (one shape from each band), with none of the grid of splits' rules."""
     assert _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)["shares"] == 132
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim, tma_kernels=False)
     assert plan["shares"] == plan["share_item_keys"] == 0, plan
-    assert plan["max_splits"] < 16, plan
+    assert plan["max_splits"] == 16 and not plan["longest_first"], plan
+    assert not plan["one_cta_per_sm"] and not plan["ragged_two_waves"], plan
+    assert plan["equal_rows_splits"] == plan["near_equal_sixteenths"] == plan["ragged_splits"] == 0, plan
+    assert plan["equal_rows_tail_splits"] == plan["equal_rows_tail_items"] == 0, plan
+
+
+def test_decode_plan_without_tma_kernels_outside_the_partition_bands():
+    """Outside the partition's bands a device without TMA loaders keeps the grid of splits' own
+    rules (B8 64/8 L16384: 64 items, 4 splits for its equal rows at two CTAs an SM)."""
+    plan = _C._decode_plan(8, 64, 8, 16384, 132, tma_kernels=False)
+    assert plan == _C._decode_plan(8, 64, 8, 16384, 132), plan
+    assert plan["shares"] == 0 and plan["max_splits"] < 16 and plan["longest_first"], plan
 
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,takes_it", [

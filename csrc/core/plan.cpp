@@ -187,8 +187,16 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // at head size 128, on 8,192 keys of capacity or more, in three bands of the items' count
     // (and one more on 4,096-8,191 keys, share_short), and at head size 64 in two (share_64).
     // Its kernel runs on the TMA loaders alone (DeviceInfo::decode_tma_kernels); without them the
-    // launch would run a plain grid of kMaxInLaunchMergeSplits splits an item, so the plan keeps
-    // its grid of splits there (stop 81).
+    // same bands take a plain grid of kMaxInLaunchMergeSplits splits an item in the rows' order
+    // (take_partition_splits), which is what the launch ran there before stop 81 made it the
+    // plan's own. An H100 under an A100's budget of shared memory (163 KB, its cp.async kernels;
+    // stop 81, one process, interleaved, us, these / the grid of splits (SDPA cuDNN)): B12 64/8
+    // L16384 284.6 / 319.3-327.0 (262.4), B30 32/8 L16384 684.2 / 725.4-736.2 (661.0), B6 64/8
+    // L16384 146.7 / 154.6-155.8, B9 16/8 L8192 108.2 / 121.4, B20 32/8 L4096 122.3 / 145.6-146.5
+    // (122.9), lengths from 256 B12 64/8 L8192 69.2 / 75.4-75.7; head size 64, B20 32/8 L4096
+    // 68.0 / 74.0-75.8 (58.8), B12 L8192 75.9 / 86.2-86.7, from 256 39.0 / 50.8; slower only at
+    // B16 64/8 L8192 194.3 / 186.4-186.6 (175.9) and B20 32/8 L4096 from 256 74.3 / 71.8-73.2.
+    // Under sm86's 99 KB (two warps a CTA at 128) the same, B30 688.2 / 815.4-834.8.
     // H200, interleaved, us, this / the grid of splits (SDPA cuDNN), NOTES.md:
     // - share_band, more than half the SMs' count and at most 7/4 of it (forty-ninth and
     //   fiftieth rounds). Equal rows: B12 64/8 L16384 189.7 / 225.7 (188.2); B16 248.9 / 302.0
@@ -249,9 +257,12 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     const bool share_64 = p.capacity >= 4096 &&
                           ((3 * slots > 2 * sms && 8 * slots < 7 * sms) || (slots > sms && 2 * slots <= 3 * sms));
     const bool share_128 = p.capacity >= 8192 ? share_band || share_long || share_few : share_short;
-    if (device.decode_tma_kernels && p.batch >= 2 && p.batch <= 128 &&
-        (p.head_dim == 128 ? share_128 : p.head_dim == 64 && share_64)) {
-      take_shares(plan, sms, kShareItemKeys);
+    if (p.batch >= 2 && p.batch <= 128 && (p.head_dim == 128 ? share_128 : p.head_dim == 64 && share_64)) {
+      if (device.decode_tma_kernels) {
+        take_shares(plan, sms, kShareItemKeys);
+      } else {
+        take_partition_splits(plan);
+      }
     }
   } else {
     // A short query chunk on a long cache (speculative verification, small chunks) has few
@@ -289,12 +300,16 @@ void clear_split_grid_rules(Plan& plan) {
   plan.ragged_splits = 0;
 }
 
-void take_shares(Plan& plan, int64_t sms, int32_t item_keys) {
-  plan.shares = static_cast<int32_t>(sms);
-  plan.share_item_keys = item_keys;
+void take_partition_splits(Plan& plan) {
   plan.max_splits = kMaxInLaunchMergeSplits;
   plan.longest_first = false;
   clear_split_grid_rules(plan);
+}
+
+void take_shares(Plan& plan, int64_t sms, int32_t item_keys) {
+  take_partition_splits(plan);
+  plan.shares = static_cast<int32_t>(sms);
+  plan.share_item_keys = item_keys;
 }
 
 void layout_workspace(Plan& plan, const Params& p) {

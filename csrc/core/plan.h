@@ -16,7 +16,8 @@ struct DeviceInfo {
   // The decode kernel's TMA loaders can run (an sm90 device, a build with sm90a code, and no test
   // budget of shared memory standing in for another GPU: kernels/launch.h). They give it four
   // warps a CTA at head size 256, which take one CTA an SM (kernels/decode_cfg.cuh, DecodeCfg),
-  // and the balanced partition's kernel, built on them alone (plan.cpp, share_64 and share_128).
+  // and the balanced partition's kernel, built on them alone (plan.cpp: without them its bands
+  // take 16 splits an item instead).
   bool decode_tma_kernels = true;
 };
 
@@ -105,6 +106,11 @@ Plan make_plan(const Params& p, const DeviceInfo& device);
 // batches (equal_rows_splits, one_cta_per_sm, near_equal_sixteenths, ragged_two_waves, the
 // tail's splits, ragged_splits), which a pinned split count and the balanced partition replace.
 void clear_split_grid_rules(Plan& plan);
+
+// The balanced partition's splits without its kernel: kMaxInLaunchMergeSplits splits an item in
+// the rows' order, in place of the grid of splits' rules (make_plan, where the decode kernel has
+// no TMA loaders; take_shares).
+void take_partition_splits(Plan& plan);
 
 // Takes the balanced partition (Plan::shares) over a grid of `sms` CTAs, each item weighed by its
 // keys plus `item_keys`, in place of the grid of splits' rules. (make_plan; the test hook that
