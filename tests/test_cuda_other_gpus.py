@@ -144,8 +144,8 @@ def test_decode_without_tma_loaders_takes_16_splits_in_the_partition_bands(head_
         run_and_check(case(), suite="cuda_small_smem")
     run_and_check(case(), suite="cuda_small_smem")
     assert auto_bytes == forced_bytes, (auto_bytes, forced_bytes)
-    # Against the grid of splits at the count a pinned one would take (4 splits, two CTAs an SM):
-    # the partials are batch x num_heads x splits x head_dim floats.
+    # A pinned grid of 4 splits asks for 12 splits' partial outputs fewer (batch x num_heads x
+    # head_dim floats a split): the measure tells the split counts apart.
     gqa_torch._C._set_decode_split_override(4, 0)
     try:
         pinned_bytes = _bytes_allocated_by(case().run)

@@ -244,14 +244,14 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but B16 47.8 / 46.7). Not measured on an H200.
     const bool share_short = p.capacity >= 4096 && slots > sms && 2 * slots <= 3 * sms;
     // At head size 64 (its kernel on the TMA loader's 32-key slices), on 4,096 keys of capacity or
-    // more: share_short's items, and from 2/3 of the SMs' count to 7/8 of it, where the equal
-    // rows' grid of splits holds some SMs' two CTAs while others idle. Between 7/8 and the SMs' count one CTA an item (no split) is one
-    // wave already. H100, stop 80, one process, interleaved, us, this / the grid of splits (SDPA
-    // cuDNN): 32/8/64 L4096 B12 (96 items) 39.5 / 41.5 (38.1), B17 (136) 52.7 / 54.6 (49.7), B20
-    // 60.9 / 65.6 (57.6), B24 71.5 / 76.1 (67.8); L8192 B12 71.5 / 77.4 (72.0), B20 113.6 / 131.0
-    // (110.7), B24 134.8 / 149.9 (130.8); B12 L16384 134.2 / 150.8 (139.5); lengths from 256: B20
-    // L4096 36.4 / 40.0, B12 L8192 35.3 / 41.4. Not taken: B9 L4096 (72 items) 31.8 / 27.8, B16
-    // L4096 (128) 47.3 / 46.4, B64 14/2/64 L4096 (128) 48.6 / 46.7, B28 L4096 (224) 82.4 / 82.8,
+    // more: share_short's items, and from 2/3 of the SMs' count to 7/8 of it, where the equal rows'
+    // grid of splits holds some SMs' two CTAs while others idle. Between 7/8 and the SMs' count one
+    // CTA an item (no split) is one wave already. H100, stop 80, one process, interleaved, us, this /
+    // the grid of splits (SDPA cuDNN): 32/8/64 L4096 B12 (96 items) 39.5 / 41.5 (38.1), B17 (136) 52.7
+    // / 54.6 (49.7), B20 60.9 / 65.6 (57.6), B24 71.5 / 76.1 (67.8); L8192 B12 71.5 / 77.4 (72.0), B20
+    // 113.6 / 131.0 (110.7), B24 134.8 / 149.9 (130.8); B12 L16384 134.2 / 150.8 (139.5); lengths from
+    // 256: B20 L4096 36.4 / 40.0, B12 L8192 35.3 / 41.4. Not taken: B9 L4096 (72 items) 31.8 / 27.8,
+    // B16 L4096 (128) 47.3 / 46.4, B64 14/2/64 L4096 (128) 48.6 / 46.7, B28 L4096 (224) 82.4 / 82.8,
     // 2,048 keys (B20 34.5 / 34.9, B24 40.1 / 40.0, from 256 26.7 / 25.6; B80 14/2/64 36.1 / 35.6).
     // Not measured on an H200.
     const bool share_64 = p.capacity >= 4096 &&

@@ -85,8 +85,8 @@ PYBIND11_MODULE(_C, m) {
         "\"auto\" (the plan's, one CTA an SM), \"items\" (one CTA a row, kv head and head chunk), "
         "\"two_per_sm\", \"cut\" (the plan's, with equal rows' items cut as any others) or \"force\" (the plan's "
         "grid for decode at head sizes 64 and 128, up to 128 rows, whether or not the plan takes it; where the "
-        "partition's kernel is not built, without TMA loaders, the launch runs 16 splits an item instead), and the keys' worth each item weighs besides its keys (-1: the plan's; 512 "
-        "under \"force\").");
+        "partition's kernel is not built, without TMA loaders, the launch runs 16 splits an item instead), and "
+        "the keys' worth each item weighs besides its keys (-1: the plan's; 512 under \"force\").");
   m.def("_decode_plan", [](int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t capacity, int32_t sm_count,
                            int32_t head_dim, bool tma_kernels) {
     if (batch <= 0 || kv_heads <= 0 || q_heads <= 0 || q_heads % kv_heads != 0 || capacity <= 0 || sm_count <= 0 ||
