@@ -63,8 +63,8 @@ def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128
     (33, 4, 4, 4096, 2, 1),     # 132 CTAs a split: every SM
     (30, 32, 4, 8191, 2, 1),    # 120 CTAs a split: 91% of the SMs
     (29, 32, 4, 8191, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
-    (25, 64, 8, 8191, 2, 1),    # 200 CTAs, more than the SMs: as many as fill two CTAs an SM (8,192 keys, or
-                                # 133-198 CTAs on 4,096 or more: the partition)
+    (30, 64, 8, 8191, 2, 1),    # 240 CTAs, more than the SMs: as many as fill two CTAs an SM (8,192 keys, or
+                                # 133-198 CTAs on 4,096 or more: the partition; 199-231: two splits)
     (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
     (8, 32, 8, 16448, 5, 4),
     (32, 32, 8, 8192, 2, 1),    # 256 CTAs a split: one wave at two an SM
@@ -139,6 +139,33 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
     assert plan["near_equal_sixteenths"] == near_equal, plan
     if two_waves:
         assert plan["longest_first"] and plan["max_splits"] == 2 * plan["equal_rows_splits"] <= 16, plan
+
+
+@pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,two_splits", [
+    (25, 32, 8, 4096, 128, True),     # 200 items: more than 3/2 of the 132 SMs
+    (26, 32, 8, 2048, 128, True),
+    (26, 64, 8, 4096, 128, True),
+    (52, 28, 4, 8191, 128, True),     # two_per_sm's two splits
+    (28, 32, 8, 6144, 128, True),
+    (28, 32, 8, 4096, 128, True),     # 224: at most 7/4
+    (29, 32, 8, 4096, 128, False),    # 232: more
+    (24, 32, 8, 2048, 128, False),    # 192: at most 3/2
+    (26, 32, 8, 1024, 128, False),    # one split for every batch: no ranking
+    (26, 32, 8, 4096, 64, False),     # measured at head size 128 only
+    (26, 32, 8, 8192, 128, False),    # the balanced partition
+])
+def test_decode_plan_gives_equal_rows_two_splits_past_3_2_of_the_sms(batch, hq, hkv, capacity, head_dim, two_splits):
+    """Where the plan's two splits would leave equal rows one split a row in one wave at two CTAs
+    an SM (the ragged batches' two waves, or two_per_sm on 4,096-8,191 keys), and the items
+    number more than 3/2 of the SMs and at most 7/4, equal rows take the two splits too (no
+    equal rows' rule at all), at head size 128."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
+    if two_splits:
+        assert plan["max_splits"] == 2 and plan["longest_first"] and plan["shares"] == 0, plan
+        assert plan["equal_rows_splits"] == plan["near_equal_sixteenths"] == 0, plan
+        assert not plan["ragged_two_waves"] and not plan["one_cta_per_sm"], plan
+    else:
+        assert plan["equal_rows_splits"] != 0 or plan["max_splits"] != 2 or plan["shares"] != 0, plan
 
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,tail_splits,tail_items", [

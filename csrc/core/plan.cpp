@@ -136,6 +136,24 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
       plan.ragged_two_waves = true;
       plan.near_equal_sixteenths = p.capacity / plan.max_splits >= 2048 ? 11 : 8;
     }
+    // Equal rows keep the ragged batches' two splits where their items number more than 3/2 of the
+    // SMs' count and at most 7/4 of it (199-231 on 132 SMs; the ragged batches' two waves above, or
+    // two_per_sm's two splits on 4,096-8,191 keys). In one split a row, one wave of two CTAs an SM,
+    // some SMs stream two rows' keys while the rest stream one (B26 32/8: 208 CTAs, 76 SMs with two);
+    // in two splits a row, two waves, the SMs that finish first take the next CTAs. H100 (its TMA
+    // loaders), stop 81, one process, us, the pin splits=2 (this rule's plan, field for field) / the
+    // plan before (SDPA cuDNN): 32/8/128 L4096 B25 139.7 / 153.0 (141.9), B26 145.3-145.6 /
+    // 155.3-155.8 (144.4-144.7), B27 151.3 / 157.9 (151.6), B28 156.9-157.2 / 160.0-160.4
+    // (157.0-157.2); B28 L6144 231.4-231.8 / 238.2-238.7 (232.1-232.3); B26 L2048 76.9 / 80.2 (75.1);
+    // B26 64/8 L4096 147.2 / 156.0 (145.1); B52 28/4 L4096 147.2 / 156.0 (144.8). Level at B29 and B30
+    // (232 and 240 items; B32, 256, 176.5 / 173.9) and for ragged batches (B26 and B28 from 256),
+    // which took two splits already. Not measured on an H200, nor without the TMA loaders.
+    if (p.head_dim == 128 && plan.equal_rows_splits == 1 && plan.max_splits == 2 && 2 * slots > 3 * sms &&
+        4 * slots <= 7 * sms) {
+      plan.equal_rows_splits = 0;
+      plan.near_equal_sixteenths = 0;
+      plan.ragged_two_waves = false;
+    }
     // Equal rows in one split a row whose CTAs end in a partial wave at two an SM. The block
     // dispatcher gives each SM two CTAs of the first wave, and they finish together; the next
     // CTAs then go to the SMs that freed their slots first, two an SM, so a last wave of r CTAs
