@@ -125,10 +125,10 @@ def _bytes_allocated_by(call):
 def test_decode_without_tma_loaders_takes_16_splits_in_the_partition_bands(head_dim, batch, num_heads, capacity,
                                                                            budget, smem_budget):
     """Shapes inside the balanced partition's bands (72 items at head size 128, 96 at 64), where
-    its kernel cannot run (it is built on the TMA loaders alone): the call plans 16 splits an item
-    (its partial outputs take as much memory as the partition forced on, which the launch runs
-    the same way, and more than the grid of splits' own count would), and computes the
-    reference's output (ragged rows), either way."""
+    its kernel cannot run (it is built on the TMA loaders alone): the call plans 16 splits an
+    item. Its workspace holds as many splits' partial outputs as the partition forced on (which
+    the launch runs as the same 16 splits), at least 12 splits' more than a pinned grid of 4;
+    and both calls match the reference (ragged rows)."""
     smem_budget(budget)
 
     def case():

@@ -21,10 +21,10 @@ enum DeviceSupport : int { kDeviceSupported = 0, kDeviceTooOld = 1, kDeviceNoCod
 DeviceSupport current_device_support();
 
 // Tests: a budget of dynamic shared memory a block below the device's (0: the device's own),
-// under which an H100 or H200 runs what GPUs with less of it and without the sm90a kernels run
-// (sm86, sm89 and sm120 at 99 KB: the tensor-core decode kernel with two warps a CTA at head
-// sizes 96 and 128, the generic kernel at 256; launch.cu, decode_mma_fits; the mma.sync
-// prefill). A kernel that asks for more than the budget throws.
+// under which an H100 or H200 plans (decode_tma_kernels) and runs what GPUs with less of it and
+// without the sm90a kernels run (sm86, sm89 and sm120 at 99 KB: the tensor-core decode kernel
+// with two warps a CTA at head sizes 96 and 128, one at 256; launch.cu, decode_mma_fits; the
+// mma.sync prefill). A kernel that asks for more than the budget throws.
 void set_smem_limit_override(int bytes);
 
 // Tests and benchmarks: the tensor-core decode kernel's loader. 0 auto (on an sm90 device in an

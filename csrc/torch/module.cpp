@@ -125,7 +125,7 @@ PYBIND11_MODULE(_C, m) {
         "kernel has its TMA loaders: four warps a CTA at head size 256, and the balanced partition at 64 and 128).");
   m.def("_set_smem_limit", &gqa::set_smem_limit_override, pybind11::arg("bytes"),
         "Tests: pretend a block may hold at most `bytes` of dynamic shared memory and leave the sm90a kernels out "
-        "(0: the device's own), so that an H100 or H200 runs what other GPUs run (kernels/launch.h).");
+        "(0: the device's own), so that an H100 or H200 plans and runs what other GPUs do (kernels/launch.h).");
   m.def("_set_decode_split_override", &gqa::set_decode_split_override, pybind11::arg("max_splits"),
         pybind11::arg("min_split_keys"), "Benchmarks only: decode split count and smallest split (0: the plan's).");
   m.def("_fast_divide", [](const std::vector<int32_t>& numerators, int32_t divisor) {
