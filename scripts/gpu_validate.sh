@@ -17,6 +17,8 @@
 #                                        # racecheck over them, benchmarks/small_smem.py
 #   bash scripts/gpu_validate.sh grid    # bench, then smem's tests and sanitizers: one call
 #                                        # (101 s with GQA_BENCH_ARGS=--no-flex in stop 73)
+#   bash scripts/gpu_validate.sh rules   # the plan rules of stops 79-81, each against a pin that
+#                                        # gives its equal rows the plan before it (ab_decode.py)
 #
 # Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
 # (csrc/kernels/NOTES.md, "A full decode round on one H200 in one call"), and leaves one log
@@ -106,6 +108,27 @@ small_smem_checks() {
   return $rc
 }
 
+# The plan rules of stops 79-81 (plan.cpp), timed on this GPU against pins that give their equal
+# rows the plan before each rule, all interleaved in one process a table. `splits=1`: one split a
+# row, which share_short's and stop 81's equal rows took before; `schedule=keep_splits`: head size
+# 256's last wave in the grid of two warps before stop 79. The ragged batches (r256) run auto only:
+# the pins would change their plan too. Head size 64's rule (share_64) has no such pin: its rows
+# are timed against SDPA cuDNN alone. Logs straight under $ROOT_OUT.
+plan_rules() {
+  local rc=0
+  local equal="20x32x8x128x4096 24x32x8x128x4096 40x28x4x128x4096 25x32x8x128x4096 26x32x8x128x4096"
+  equal+=" 28x32x8x128x4096 28x32x8x128x6144 26x64x8x128x4096"
+  local others="20x32x8x128x4096r256 26x32x8x128x4096r256 20x32x8x64x4096 12x32x8x64x8192 20x32x8x64x4096r256"
+  timeout 200 python3 benchmarks/ab_decode.py --rows --shapes $equal --pins splits=1 --tag rules \
+    > "$ROOT_OUT/rules_128.txt" 2>&1 || rc=1
+  timeout 150 python3 benchmarks/ab_decode.py --rows --shapes 17x32x8x256x2048 24x16x8x256x4096 \
+    17x32x8x256x2048r256 --pins schedule=keep_splits --flash --tag rules > "$ROOT_OUT/rules_256.txt" 2>&1 || rc=1
+  timeout 150 python3 benchmarks/ab_decode.py --rows --shapes $others --tag rules \
+    > "$ROOT_OUT/rules_others.txt" 2>&1 || rc=1
+  echo "== plan rules"; grep -h "row" "$ROOT_OUT"/rules_*.txt
+  return $rc
+}
+
 case ${1:-} in
   decode)
     GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
@@ -132,12 +155,14 @@ case ${1:-} in
   smem)
     small_smem_checks || status=1
     small_smem_timings || status=1 ;;
+  rules)
+    plan_rules || status=1 ;;
   grid)
     # Stop 73's one H200 call (101 s with --no-flex): the tables, then the 99 KB paths' checks.
     decode_tables || status=1
     small_smem_timings || status=1
     small_smem_checks || status=1 ;;
   *)
-    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|rest|bench|smem|grid"; exit 2 ;;
+    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|rest|bench|smem|grid|rules"; exit 2 ;;
 esac
 exit $status
