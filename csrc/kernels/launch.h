@@ -105,11 +105,12 @@ void set_decode_l2_prefetch(int prefetch);
 void set_decode_l2_fetch(int fetch);
 
 // Tests and benchmarks: the balanced partition's grid and item weight (Plan::shares, where the
-// plan takes it; gqa::set_decode_shares's "force" makes the plan take it at head sizes 64 and
-// 128, where without the TMA loaders the launch runs its 16 splits an item, and passes 0 here). grid: 0 the plan's (one CTA an SM), 1 one CTA a (row, kv head,
-// head chunk) item, 2 two CTAs an SM, 3 the plan's with equal rows' items cut as any others are
-// (not one CTA an item where they nearly fill the grid: Work::share_whole_items); item_keys: the
-// keys' worth each item weighs besides its keys (Plan::share_item_keys), -1 the plan's.
+// plan takes it; gqa::set_decode_shares's "force" makes the plan take it at head sizes 64 and 128,
+// where without the TMA loaders the launch runs its 16 splits an item, and passes 0 here). grid: 0
+// the plan's (one CTA an SM), 1 one CTA a (row, kv head, head chunk) item, 2 two CTAs an SM, 3 the
+// plan's with equal rows' items cut as any others are (not one CTA an item where they nearly fill
+// the grid: Work::share_whole_items); item_keys: the keys' worth each item weighs besides its keys
+// (Plan::share_item_keys), -1 the plan's.
 void set_decode_shares(int grid, int item_keys);
 
 // Diagnostics (benchmarks/decode_timeline.py): the tensor-core decode kernel's per-CTA stamps
