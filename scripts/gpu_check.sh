@@ -31,6 +31,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # the system compiler, which shares the libstdc++ that torch loads.
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 steps=${*:-build test sanitize bench prefill}
+# The GPU test files (one shard of the test step; the sanitizers' tests).
+CUDA_TEST_FILES="tests/test_cuda.py tests/test_cuda_decode.py tests/test_cuda_decode_batches.py tests/test_cuda_graphs.py"
 # The tree without its build outputs, into directory $1 (a copy to build another way).
 copy_tree() { tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out --exclude=./.variants -cf - . | tar -xf - -C "$1"; }
 status=0
@@ -45,11 +47,11 @@ for step in $steps; do
       echo "build: $(( $(date +%s) - start )) s"
       grep -E "registers|spill" "$OUT/build.log" | sort | uniq | head -40 ;;
     test)
-      # Two shards at once (test_cuda.py, which is most of the device time, and the rest), each
+      # Two shards at once (the CUDA test files, most of the device time, and the rest), each
       # with half the CPU threads; faulthandler dumps the stacks of a test stuck for 120 s.
       # GQA_TEST_SPLIT (-k terms separated by ';') splits the GQA_TESTS shard further: a process
       # for each term's matches and one for the rest (the ragged-batch settings, 40-80 s each).
-      if [ -n "${GQA_TESTS:-}" ]; then shards=("$GQA_TESTS"); else shards=("tests/test_cuda.py" "tests --ignore=tests/test_cuda.py"); fi
+      if [ -n "${GQA_TESTS:-}" ]; then shards=("$GQA_TESTS"); else shards=("$CUDA_TEST_FILES" "tests $(printf -- ' --ignore=%s' $CUDA_TEST_FILES)"); fi
       ks=("${GQA_TEST_K:-}")
       if [ -n "${GQA_TESTS:-}" ] && [ -n "${GQA_TEST_SPLIT:-}" ]; then
         IFS=';' read -r -a terms <<< "$GQA_TEST_SPLIT"
@@ -82,7 +84,7 @@ for step in $steps; do
     sanitize)
       # Every compute-sanitizer tool over a subset of the GPU tests that runs each kernel.
       for tool in ${GQA_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
-        OMP_NUM_THREADS=${GQA_OMP_THREADS:-$(nproc)} timeout ${GQA_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda.py -q -x \
+        OMP_NUM_THREADS=${GQA_OMP_THREADS:-$(nproc)} timeout ${GQA_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest $CUDA_TEST_FILES -q -x \
           -k "${GQA_SANITIZE_K:-(parity_grid and (decode or prefill)) or test_cuda_decode}" -p no:cacheprovider > "$OUT/$tool.log" 2>&1 || status=1
         echo "$tool: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/$tool.log" | tail -1) $(grep -E "passed|failed" "$OUT/$tool.log" | tail -1)"
       done ;;

@@ -46,7 +46,8 @@ part() {
   return $rc
 }
 
-DECODE_FILES="tests/test_cuda.py tests/test_hf.py tests/test_user_layer.py tests/test_decode_schedule.py tests/test_validation.py"
+DECODE_FILES="tests/test_cuda.py tests/test_cuda_decode.py tests/test_cuda_decode_batches.py tests/test_cuda_graphs.py"
+DECODE_FILES+=" tests/test_hf.py tests/test_user_layer.py tests/test_decode_schedule.py tests/test_validation.py"
 # The shards: the balanced partition's tests in three, the ragged batches in two, then the
 # equal rows, the bad rows (two), the error word and L2 fetch, the loaders and the head sizes;
 # the last process takes what no term matches.
@@ -95,7 +96,7 @@ small_smem_timings() {
 small_smem_checks() {
   local rc=0
   timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_other_gpus.py \
-    "tests/test_cuda.py::test_cuda_kernels_available_asks_about_the_device" > "$ROOT_OUT/other_gpus.log" 2>&1 || rc=1
+    "tests/test_cuda_graphs.py::test_cuda_kernels_available_asks_about_the_device" > "$ROOT_OUT/other_gpus.log" 2>&1 || rc=1
   echo "== other_gpus tests"; tail -15 "$ROOT_OUT/other_gpus.log"
   # The tests of what the kernels compute, in bf16: those of which kernel ran need the profiler,
   # which records nothing under a sanitizer, and ran in the pytest run before.

@@ -52,6 +52,32 @@ def _seed(request):
     yield
 
 
+# ---- the CUDA test files' fixtures (test_cuda*.py) -------------------------------------------------
+
+@pytest.fixture
+def clean_error_word():
+    """The CUDA test files take it for every test (their pytestmark): each test starts and ends
+    with a clear device error word and the asynchronous default."""
+    gqa_torch.set_synchronous_errors(False)
+    gqa_torch.clear_errors()
+    torch.cuda.synchronize()
+    yield
+    gqa_torch.set_synchronous_errors(False)
+    gqa_torch.clear_errors()
+    torch.cuda.synchronize()
+
+
+@pytest.fixture(params=["auto", "kernel", "arrival"])
+def decode_merge(request):
+    """Runs the test with each way of merging the tensor-core decode kernel's splits: "auto"
+    (up to 16 splits inside the launch, by the last split to finish; else the merge kernel),
+    "kernel" (the merge kernel) and "arrival" (the last split CTA to finish, at every split
+    count)."""
+    gqa_torch._C._set_decode_merge(request.param)
+    yield request.param
+    gqa_torch._C._set_decode_merge("auto")
+
+
 def _flushes_subnormals() -> bool:
     """Whether float32 arithmetic on this thread flushes subnormals to zero (FTZ/DAZ on)."""
     import numpy as np

@@ -24,7 +24,7 @@ import torch
 
 import gqa_torch
 from conftest import DTYPES, make_case, requires_cuda, run_and_check
-from test_cuda import _cuda_kernel_names_or_skip, _decode_loader_codes, _shares_forced
+from cuda_common import _cuda_kernel_names_or_skip, _decode_loader_codes, _shares_forced
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
