@@ -270,16 +270,20 @@ def test_cuda_decode_shares_more_items_than_sms(dtype, features):
     _run_shares_cases(random.Random(71), dtype, features, batch, hq, hkv, capacity)
 
 
-@pytest.mark.parametrize("dtype,features", [("bf16", [0, 2, 1]), ("fp16", [4, 3, 0])])
-def test_cuda_decode_shares_on_4096_keys(dtype, features):
+@pytest.mark.parametrize("dtype,features,items", [("bf16", [0, 2, 1], "3/2"), ("fp16", [4, 3, 0], "3/2"),
+                                                   ("bf16", [1, 4, 2], "7/4"), ("fp16", [3, 0, 1], "7/4")])
+def test_cuda_decode_shares_on_4096_keys(dtype, features, items):
     """The balanced partition on 4,096-8,191 keys of capacity, where it takes more items than SMs
-    and at most 3/2 of them (18 rows of 8 kv heads at 4,160 keys on 132 SMs: 144 items): equal
-    rows, a ragged batch and one full row among short ones, features, both ops and layouts,
-    against the reference and the CPU backend."""
+    and at most 7/4 of them: 18 rows of 8 kv heads at 4,160 keys on 132 SMs (144 items, "3/2")
+    and 28 rows (224 items, "7/4", since stop 82). Equal rows, a ragged batch and one full row
+    among short ones, features, both ops and layouts, against the reference and the CPU
+    backend."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch, hq, hkv, capacity = sms // 8 + 2, 16, 8, 4160
+    batch = sms // 8 + 2 if items == "3/2" else 7 * sms // 32
+    hq, hkv, capacity = 16, 8, 4160
     plan = gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)
-    assert plan["shares"] == sms and sms < batch * hkv and 2 * batch * hkv <= 3 * sms, plan
+    assert plan["shares"] == sms and sms < batch * hkv and 4 * batch * hkv <= 7 * sms, plan
+    assert (2 * batch * hkv <= 3 * sms) == (items == "3/2"), (batch, sms)
     _run_shares_cases(random.Random(89), dtype, features, batch, hq, hkv, capacity)
 
 

@@ -64,7 +64,7 @@ def test_decode_plan_ctas_an_sm_at_head_size_256(batch, capacity, max_splits_128
     (30, 32, 4, 8191, 2, 1),    # 120 CTAs a split: 91% of the SMs
     (29, 32, 4, 8191, 4, 2),    # 116: 88%; two CTAs an SM take the plan's 2 splits, a ragged batch 4
     (30, 64, 8, 8191, 2, 1),    # 240 CTAs, more than the SMs: as many as fill two CTAs an SM (8,192 keys, or
-                                # 133-198 CTAs on 4,096 or more: the partition; 199-231: two splits)
+                                # 133-231 CTAs on 4,096 or more: the partition)
     (8, 32, 8, 32768, 8, 4),    # the B8 L32768 row: 8 splits for a ragged batch, one wave of 4
     (8, 32, 8, 16448, 5, 4),
     (32, 32, 8, 8192, 2, 1),    # 256 CTAs a split: one wave at two an SM
@@ -142,7 +142,8 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
 
 
 @pytest.mark.parametrize("batch,hq,hkv,capacity,head_dim,two_splits", [
-    (25, 32, 8, 4096, 128, True),     # 200 items: more than 3/2 of the 132 SMs
+    (25, 32, 8, 4096, 128, True),     # 200 items: more than 3/2 of the 132 SMs (with TMA kernels on 4,096
+                                      # keys or more, the balanced partition instead)
     (26, 32, 8, 2048, 128, True),
     (26, 64, 8, 4096, 128, True),
     (52, 28, 4, 8191, 128, True),     # two_per_sm's two splits
@@ -152,14 +153,17 @@ def test_decode_plan_takes_two_waves_for_a_ragged_batch_where_its_grid_is_one(ba
     (24, 32, 8, 2048, 128, False),    # 192: at most 3/2
     (26, 32, 8, 1024, 128, False),    # one split for every batch: no ranking
     (26, 32, 8, 4096, 64, False),     # measured at head size 128 only
-    (26, 32, 8, 8192, 128, False),    # the balanced partition
+    (26, 32, 8, 8192, 128, False),    # the balanced partition's 16 splits an item
 ])
 def test_decode_plan_gives_equal_rows_two_splits_past_3_2_of_the_sms(batch, hq, hkv, capacity, head_dim, two_splits):
     """Where the plan's two splits would leave equal rows one split a row in one wave at two CTAs
     an SM (the ragged batches' two waves, or two_per_sm on 4,096-8,191 keys), and the items
     number more than 3/2 of the SMs and at most 7/4, equal rows take the two splits too (no
-    equal rows' rule at all), at head size 128."""
-    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
+    equal rows' rule at all), at head size 128: on a device without the TMA kernels, and with
+    them below 4,096 keys of capacity (from 4,096 the balanced partition takes those items)."""
+    plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim, tma_kernels=False)
+    if capacity < 4096:
+        assert plan == _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim), plan
     if two_splits:
         assert plan["max_splits"] == 2 and plan["longest_first"] and plan["shares"] == 0, plan
         assert plan["equal_rows_splits"] == plan["near_equal_sixteenths"] == 0, plan
@@ -290,7 +294,11 @@ def test_decode_plan_without_tma_kernels_outside_the_partition_bands():
     (16, 64, 8, 8191, 128, False),    # rows of fewer than 8,192 keys of capacity: 128 items, not more than the SMs
     (17, 32, 8, 4096, 128, True),     # 136 items on 4,096 keys: more than the SMs
     (24, 32, 8, 4096, 128, True),     # 192: at most 3/2 of them
-    (25, 32, 8, 4096, 128, False),    # 200: more
+    (25, 32, 8, 4096, 128, True),     # 200: more, at most 7/4 (stop 82)
+    (28, 32, 8, 6144, 128, True),     # 224
+    (26, 64, 8, 4096, 128, True),
+    (29, 32, 8, 4096, 128, False),    # 232: more than 7/4
+    (26, 32, 8, 4095, 128, False),    # 208 items on fewer than 4,096 keys
     (40, 28, 4, 8191, 128, True),     # 160
     (20, 32, 8, 4095, 128, False),    # 160 items on fewer than 4,096 keys
     (20, 32, 8, 4096, 64, True),      # head size 64: 160 items on 4,096 keys
@@ -314,8 +322,8 @@ def test_decode_plan_takes_the_balanced_partition(batch, hq, hkv, capacity, head
     most 7/4 of them; or 1/8 of them to half, where the equal rows' grid of splits would leave
     1/16 of its slots empty or more at two CTAs an SM, or 1/4 of the SMs idle at one; or more
     than 7/4 of them and up to 4 x on 16,384 keys of capacity or more; on 4,096-8,191 keys, more
-    than the SMs' count and at most 3/2 of it. At head size 64, on 4,096 keys or more, that band
-    and more than 2/3 of the SMs' count to under 7/8 of it. An item spans at most 16 CTAs
+    than the SMs' count and at most 7/4 of it. At head size 64, on 4,096 keys or more, more than
+    the SMs' count to 3/2 of it, and more than 2/3 of the SMs' count to under 7/8 of it. An item spans at most 16 CTAs
     (max_splits), and the grid-of-splits schedule is off."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert plan["shares"] == (132 if takes_it else 0), plan
