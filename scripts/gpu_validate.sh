@@ -17,7 +17,7 @@
 #                                        # racecheck over them, benchmarks/small_smem.py
 #   bash scripts/gpu_validate.sh grid    # bench, then smem's tests and sanitizers: one call
 #                                        # (101 s with GQA_BENCH_ARGS=--no-flex in stop 73)
-#   bash scripts/gpu_validate.sh rules   # the plan rules of stops 79-81, each against a pin that
+#   bash scripts/gpu_validate.sh rules   # the plan rules of stops 79-82, each against a pin that
 #                                        # gives its equal rows the plan before it (ab_decode.py)
 #
 # Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
@@ -109,9 +109,10 @@ small_smem_checks() {
   return $rc
 }
 
-# The plan rules of stops 79-81 (plan.cpp), timed on this GPU against pins that give their equal
+# The plan rules of stops 79-82 (plan.cpp), timed on this GPU against pins that give their equal
 # rows the plan before each rule, all interleaved in one process a table. `splits=1`: one split a
-# row, which share_short's and stop 81's equal rows took before; `schedule=keep_splits`: head size
+# row, which share_short's and stop 81's equal rows took before; `splits=2`: stop 81's two splits,
+# which stop 82's share_short took over at 199-231 items; `schedule=keep_splits`: head size
 # 256's last wave in the grid of two warps before stop 79. The ragged batches (r256) run auto only:
 # the pins would change their plan too. Head size 64's rule (share_64) has no such pin: its rows
 # are timed against SDPA cuDNN alone. Logs straight under $ROOT_OUT.
@@ -120,7 +121,7 @@ plan_rules() {
   local equal="20x32x8x128x4096 24x32x8x128x4096 40x28x4x128x4096 25x32x8x128x4096 26x32x8x128x4096"
   equal+=" 28x32x8x128x4096 28x32x8x128x6144 26x64x8x128x4096"
   local others="20x32x8x128x4096r256 26x32x8x128x4096r256 20x32x8x64x4096 12x32x8x64x8192 20x32x8x64x4096r256"
-  timeout 200 python3 benchmarks/ab_decode.py --rows --shapes $equal --pins splits=1 --tag rules \
+  timeout 200 python3 benchmarks/ab_decode.py --rows --shapes $equal --pins splits=1 splits=2 --tag rules \
     > "$ROOT_OUT/rules_128.txt" 2>&1 || rc=1
   timeout 150 python3 benchmarks/ab_decode.py --rows --shapes 17x32x8x256x2048 24x16x8x256x4096 \
     17x32x8x256x2048r256 --pins schedule=keep_splits --flash --tag rules > "$ROOT_OUT/rules_256.txt" 2>&1 || rc=1

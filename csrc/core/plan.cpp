@@ -147,11 +147,12 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // (157.0-157.2); B28 L6144 231.4-231.8 / 238.2-238.7 (232.1-232.3); B26 L2048 76.9 / 80.2 (75.1);
     // B26 64/8 L4096 147.2 / 156.0 (145.1); B52 28/4 L4096 147.2 / 156.0 (144.8). Level at B29 and B30
     // (232 and 240 items; B32, 256, 176.5 / 173.9) and for ragged batches (B26 and B28 from 256),
-    // which took two splits already. Not measured on an H200, nor without the TMA loaders. Stop 82,
-    // a second H100: the same pin level with one split (B25 151.2 / 154.4, B28 167.9 / 164.7, the
-    // rest within 0.5%; L2048 B26 79.5-79.7 / 81.0-81.1). Since stop 82 the balanced partition
-    // (share_short, below) serves these items on 4,096-8,191 keys where its kernel is built; the
-    // rule stays for 2,048-4,095 keys and for devices without the TMA kernels.
+    // which took two splits already. Not measured on an H200, nor without the TMA loaders. Stop 82:
+    // the rule's build level with one split on a second H100 (B25 151.2 / 154.4, B28 167.9 /
+    // 164.7, the rest within 1.3%; B26 L2048 79.4 / 81.0), 2.6-7.4% ahead on a third (B25 143.3 /
+    // 154.8, B28 160.5 / 164.8). Since then the balanced partition (share_short, below) serves
+    // these items on 4,096-8,191 keys where its kernel is built; the rule stays for 2,048-4,095
+    // keys and for devices without the TMA kernels.
     if (p.head_dim == 128 && plan.equal_rows_splits == 1 && plan.max_splits == 2 && 2 * slots > 3 * sms &&
         4 * slots <= 7 * sms) {
       plan.equal_rows_splits = 0;
@@ -264,14 +265,18 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // 256: B20 65.5 / 64.9. Not taken: fewer items (B9 64/8 L4096, 72 items, 56.8 / 52.2; B16 32/8
     // L4096 90.4 / 89.6), more (B28 32/8 L4096, 224 items, 158.2 / 160.8 but from 256 86.4 /
     // 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but B16 47.8 / 46.7). Not measured on an H200.
-    // Stop 82 took it up to 7/4 of the SMs' count (199-231 items) where its kernel is built: on a
+    // Stop 82 took it up to 7/4 of the SMs' count (199-231 items) where its kernel is built. On a
     // second H100, one process, us, this / stop 81's two splits a row / one split a row (SDPA
     // cuDNN): B25 32/8 L4096 146.4 / 151.2 / 154.4 (142.2); B26 151.8 / 158.3 / 157.7 (147.9); B28
     // 162.1 / 167.9 / 164.7 (159.4); B28 L6144 237.9 / 248.6 / 248.6 (237.6); B26 64/8 L4096 152.9 /
     // 158.4 / 158.3 (148.4); B52 28/4 L4096 153.3 / 158.1 / 157.9 (148.5). Ragged batches (lengths
-    // from 256) lose 1-3%: B25 75.8 / 74.7, B28 87.8 / 85.4, B28 L6144 121.2 / 120.0, still 1.9x
-    // masked SDPA; equal rows are where a batch meets SDPA unmasked. Without the TMA kernels
-    // these items keep the two splits (above), unmeasured against 16 splits an item.
+    // from 256) lost 1-3%: B25 75.8 / 74.7, B28 87.8 / 85.4, B28 L6144 121.2 / 120.0. A third H100
+    // ran the two splits as stop 81's did (B25 143.3, B26 149.0, B28 160.5, B26 64/8 150.5, us),
+    // 1.2-2.3% ahead of the partition on equal rows (level at L6144), 0-7% behind it on ragged
+    // batches (B25 78.9 / 75.2, B26 64/8 79.2 / 73.6). The partition's times agree across cards
+    // (B25 146.4 and 146.5); the two splits' do not (151.2, 143.3, and 139.7 on stop 81's card).
+    // Without the TMA kernels these items keep the two splits (above), unmeasured against 16
+    // splits an item.
     const bool share_short = p.capacity >= 4096 && slots > sms &&
                              (2 * slots <= 3 * sms || (device.decode_tma_kernels && 4 * slots <= 7 * sms));
     // At head size 64 (its kernel on the TMA loader's 32-key slices), on 4,096 keys of capacity or
