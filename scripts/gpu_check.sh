@@ -31,8 +31,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # the system compiler, which shares the libstdc++ that torch loads.
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 steps=${*:-build test sanitize bench prefill}
-# The GPU test files (one shard of the test step; the sanitizers' tests).
-CUDA_TEST_FILES="tests/test_cuda.py tests/test_cuda_decode.py tests/test_cuda_decode_batches.py tests/test_cuda_graphs.py"
+# CUDA_TEST_FILES: one shard of the test step; the sanitizers' tests.
+source scripts/cuda_test_files.sh
 # The tree without its build outputs, into directory $1 (a copy to build another way).
 copy_tree() { tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out --exclude=./.variants -cf - . | tar -xf - -C "$1"; }
 status=0

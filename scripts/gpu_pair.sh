@@ -31,12 +31,11 @@ split=${GQA_TEST_SPLIT:-parity_grid}
 IFS=';' read -r -a terms <<< "$split"
 parts=("${terms[@]}")
 rest=$(printf ' or (%s)' "${terms[@]}"); parts+=("not (${rest# or })")
-# The GPU test files (scripts/gpu_check.sh: CUDA_TEST_FILES).
-cuda_tests="tests/test_cuda.py tests/test_cuda_decode.py tests/test_cuda_decode_batches.py tests/test_cuda_graphs.py"
+source scripts/cuda_test_files.sh  # CUDA_TEST_FILES
 pids=(); i=0
 for part in "${parts[@]}"; do
   i=$((i + 1)); echo "-k ($k) and ($part)" > "$L/g1/tests_$i.log"
-  CUDA_VISIBLE_DEVICES=${GQA_TEST_GPU:-1} OMP_NUM_THREADS=$threads timeout "$(left)" python3 -m pytest ${GQA_TESTS:-$cuda_tests} -q -ra \
+  CUDA_VISIBLE_DEVICES=${GQA_TEST_GPU:-1} OMP_NUM_THREADS=$threads timeout "$(left)" python3 -m pytest ${GQA_TESTS:-$CUDA_TEST_FILES} -q -ra \
     -p no:cacheprovider -o faulthandler_timeout=100 --durations=10 -k "($k) and ($part)" \
     >> "$L/g1/tests_$i.log" 2>&1 &
   pids+=($!)

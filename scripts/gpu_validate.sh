@@ -46,8 +46,8 @@ part() {
   return $rc
 }
 
-DECODE_FILES="tests/test_cuda.py tests/test_cuda_decode.py tests/test_cuda_decode_batches.py tests/test_cuda_graphs.py"
-DECODE_FILES+=" tests/test_hf.py tests/test_user_layer.py tests/test_decode_schedule.py tests/test_validation.py"
+source scripts/cuda_test_files.sh
+DECODE_FILES="$CUDA_TEST_FILES tests/test_hf.py tests/test_user_layer.py tests/test_decode_schedule.py tests/test_validation.py"
 # The shards: the balanced partition's tests in three, the ragged batches in two, then the
 # equal rows, the bad rows (two), the error word and L2 fetch, the loaders and the head sizes;
 # the last process takes what no term matches.
