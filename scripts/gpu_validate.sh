@@ -19,6 +19,8 @@
 #                                        # (101 s with GQA_BENCH_ARGS=--no-flex in stop 73)
 #   bash scripts/gpu_validate.sh rules   # the plan rules of stops 79-82, each against a pin that
 #                                        # gives its equal rows the plan before it (ab_decode.py)
+#   bash scripts/gpu_validate.sh shards  # no GPU: collects the decode shards, names any test that
+#                                        # two of them select
 #
 # Each part runs scripts/gpu_check.sh with the settings that earlier rounds found to fit
 # (csrc/kernels/NOTES.md, "A full decode round on one H200 in one call"), and leaves one log
@@ -48,14 +50,17 @@ part() {
 
 source scripts/cuda_test_files.sh
 DECODE_FILES="$CUDA_TEST_FILES tests/test_hf.py tests/test_user_layer.py tests/test_decode_schedule.py tests/test_validation.py"
-# The shards: the balanced partition's tests in three, the ragged batches in two, then the
-# equal rows, the bad rows (two), the error word and L2 fetch, the loaders and the head sizes;
-# the last process takes what no term matches.
-DECODE_SPLIT="decode_shares and not (more_items or bad_row or fewer_items or twice);decode_shares and (more_items or bad_row)"
+# The shards, each test in one: the balanced partition's tests in four, the ragged batches in
+# two, then the equal rows, the bad rows (two), the error word and L2 fetch, the loaders and the
+# head sizes; the last process takes what no term matches. The partition's first shard took 304
+# of its 340 s on an H100 in stop 83 as one process, hence its two halves.
+SHARES_MAIN="decode_shares and not (more_items or bad_row or fewer_items or twice)"
+DECODE_SPLIT="$SHARES_MAIN and not (head_size_64 or on_4096 or wide_groups)"
+DECODE_SPLIT+=";$SHARES_MAIN and (head_size_64 or on_4096 or wide_groups);decode_shares and (more_items or bad_row)"
 DECODE_SPLIT+=";decode_shares and (fewer_items or twice);ragged_batch_row_orders;ragged_batch and not row_orders"
-DECODE_SPLIT+=";equal_rows and not decode_shares;bad_row and not decode_shares and (64 or 80)"
-DECODE_SPLIT+=";bad_row and not decode_shares and not (64 or 80);error or l2_fetch;decode_loaders;head_size_64"
-DECODE_SPLIT+=";head_size and not head_size_64"
+DECODE_SPLIT+=";equal_rows and not decode_shares;bad_row and not (decode_shares or equal_rows) and (64 or 80)"
+DECODE_SPLIT+=";bad_row and not (decode_shares or equal_rows) and not (64 or 80);error or l2_fetch;decode_loaders"
+DECODE_SPLIT+=";head_size_64 and not decode_shares;head_size and not (head_size_64 or decode_shares)"
 # The prefill tests of test_cuda.py in seven processes (the last takes what no term matches).
 # Stop 68: same_bits and many_blocks in one process (304 tests) did not finish in 340 s; stop 72:
 # many_blocks alone (144) did not on an H100, and each half took 182-185 s.
@@ -131,6 +136,25 @@ plan_rules() {
   return $rc
 }
 
+# Collects each decode shard as gpu_check.sh builds them (each term, then the rest) and names any
+# test that two shards select. Needs no GPU: run it here after changing DECODE_SPLIT.
+check_decode_shards() {
+  local terms rest term i=0 ids
+  ids=$(mktemp)
+  IFS=';' read -r -a terms <<< "$DECODE_SPLIT"
+  rest=$(printf ' or (%s)' "${terms[@]}")
+  for term in "${terms[@]}" "not (${rest# or })"; do
+    python3 -m pytest -q -p no:cacheprovider --collect-only $DECODE_FILES -k "(not prefill) and ($term)" 2>&1 \
+      | grep "::" | sed "s/^/$i /" >> "$ids"
+    echo "shard $i: $(grep -c "^$i " "$ids") tests"; i=$((i + 1))
+  done
+  local repeated
+  repeated=$(cut -d' ' -f2 "$ids" | sort | uniq -d)
+  rm -f "$ids"
+  if [ -n "$repeated" ]; then echo "in two shards or more:"; echo "$repeated"; return 1; fi
+  echo "no test is in two shards"
+}
+
 case ${1:-} in
   decode)
     GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
@@ -164,7 +188,9 @@ case ${1:-} in
     decode_tables || status=1
     small_smem_timings || status=1
     small_smem_checks || status=1 ;;
+  shards)
+    PYTHONPATH=$PWD check_decode_shards || status=1 ;;
   *)
-    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|rest|bench|smem|grid|rules"; exit 2 ;;
+    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|rest|bench|smem|grid|rules|shards"; exit 2 ;;
 esac
 exit $status
