@@ -3,8 +3,8 @@
 # tool's 600 s, on an extension built beforehand (scripts/build_for_device.sh here, carried; or
 # `bash scripts/gpu_check.sh build` there first):
 #
-#   bash scripts/gpu_validate.sh decode  # every non-prefill test of the five decode files in 13
-#                                        # processes (250 s in stop 68), then memcheck, racecheck
+#   bash scripts/gpu_validate.sh decode  # every non-prefill decode test in 14 processes (315 s
+#                                        # in 13 on an H100 in stop 83), then memcheck, racecheck
 #                                        # and synccheck over 172 tests, side by side
 #   bash scripts/gpu_validate.sh decode_tests  # decode's tests alone (no sanitizers)
 #   bash scripts/gpu_validate.sh rest    # the prefill GPU tests in seven processes beside the
