@@ -137,22 +137,27 @@ plan_rules() {
 }
 
 # Collects each decode shard as gpu_check.sh builds them (each term, then the rest) and names any
-# test that two shards select. Needs no GPU: run it here after changing DECODE_SPLIT.
+# test that two shards select. Fails too where a shard selects nothing (a stale term) or does not
+# collect. Needs no GPU: CI runs it (.ci/run).
 check_decode_shards() {
-  local terms rest term i=0 ids
+  local terms rest term i=0 ids out rc=0
   ids=$(mktemp)
   IFS=';' read -r -a terms <<< "$DECODE_SPLIT"
   rest=$(printf ' or (%s)' "${terms[@]}")
   for term in "${terms[@]}" "not (${rest# or })"; do
-    python3 -m pytest -q -p no:cacheprovider --collect-only $DECODE_FILES -k "(not prefill) and ($term)" 2>&1 \
-      | grep "::" | sed "s/^/$i /" >> "$ids"
+    # pytest's status is 5 where the expression selects no test, 2 where collection failed.
+    if ! out=$(python3 -m pytest -q -p no:cacheprovider --collect-only $DECODE_FILES -k "(not prefill) and ($term)" 2>&1); then
+      echo "shard $i selects no test or does not collect: $term"; echo "$out" | tail -5; rc=1
+    fi
+    echo "$out" | grep "::" | sed "s/^/$i /" >> "$ids"
     echo "shard $i: $(grep -c "^$i " "$ids") tests"; i=$((i + 1))
   done
   local repeated
   repeated=$(cut -d' ' -f2 "$ids" | sort | uniq -d)
   rm -f "$ids"
   if [ -n "$repeated" ]; then echo "in two shards or more:"; echo "$repeated"; return 1; fi
-  echo "no test is in two shards"
+  [ $rc -eq 0 ] && echo "no test is in two shards"
+  return $rc
 }
 
 case ${1:-} in
