@@ -323,8 +323,8 @@ def test_decode_plan_takes_the_balanced_partition(batch, hq, hkv, capacity, head
     1/16 of its slots empty or more at two CTAs an SM, or 1/4 of the SMs idle at one; or more
     than 7/4 of them and up to 4 x on 16,384 keys of capacity or more; on 4,096-8,191 keys, more
     than the SMs' count and at most 7/4 of it. At head size 64, on 4,096 keys or more, more than
-    the SMs' count to 3/2 of it, and more than 2/3 of the SMs' count to under 7/8 of it. An item spans at most 16 CTAs
-    (max_splits), and the grid-of-splits schedule is off."""
+    the SMs' count to 3/2 of it, and more than 2/3 of the SMs' count to under 7/8 of it. An item
+    spans at most 16 CTAs (max_splits), and the grid-of-splits schedule is off."""
     plan = _C._decode_plan(batch, hq, hkv, capacity, 132, head_dim=head_dim)
     assert plan["shares"] == (132 if takes_it else 0), plan
     assert plan["share_item_keys"] == (512 if takes_it else 0), plan

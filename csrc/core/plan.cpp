@@ -257,39 +257,40 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     const bool share_few = 8 * slots >= sms && 2 * slots <= sms &&
                            (equal_grid <= sms ? 4 * equal_grid <= 3 * sms : 16 * equal_grid < 15 * equal_slots);
     const bool share_long = p.capacity >= 16384 && 4 * slots > 7 * sms && slots <= 4 * sms;
-    // share_short: share_band's items from more than the SMs' count to 3/2 of it, on 4,096 to
-    // 8,191 keys of capacity. There a batch of equal rows runs one split a row, one CTA a slot
-    // (ragged_two_waves), and some SMs hold two. H100, stop 79, interleaved builds, two runs, us,
-    // this / the grid of splits (SDPA cuDNN): B17 32/8 L4096 98.9 / 104.5 (96.2); B20 115.3 /
-    // 129.4 (120.5); B24 136.8 / 148.9 (137.0); B40 28/4 L4096 116.7 / 129.6 (120.5); lengths from
-    // 256: B20 65.5 / 64.9. Not taken: fewer items (B9 64/8 L4096, 72 items, 56.8 / 52.2; B16 32/8
-    // L4096 90.4 / 89.6), more (B28 32/8 L4096, 224 items, 158.2 / 160.8 but from 256 86.4 /
-    // 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but B16 47.8 / 46.7). Not measured on an H200.
-    // Stop 82 took it up to 7/4 of the SMs' count (199-231 items) where its kernel is built. On a
-    // second H100, one process, us, this / stop 81's two splits a row / one split a row (SDPA
-    // cuDNN): B25 32/8 L4096 146.4 / 151.2 / 154.4 (142.2); B26 151.8 / 158.3 / 157.7 (147.9); B28
-    // 162.1 / 167.9 / 164.7 (159.4); B28 L6144 237.9 / 248.6 / 248.6 (237.6); B26 64/8 L4096 152.9 /
-    // 158.4 / 158.3 (148.4); B52 28/4 L4096 153.3 / 158.1 / 157.9 (148.5). Ragged batches (lengths
-    // from 256) lost 1-3%: B25 75.8 / 74.7, B28 87.8 / 85.4, B28 L6144 121.2 / 120.0. A third H100
-    // ran the two splits as stop 81's did (B25 143.3, B26 149.0, B28 160.5, B26 64/8 150.5, us),
-    // 1.2-2.3% ahead of the partition on equal rows (level at L6144), 0-7% behind it on ragged
-    // batches (B25 78.9 / 75.2, B26 64/8 79.2 / 73.6). The partition's times agree across cards
-    // (B25 146.4 and 146.5); the two splits' do not (151.2, 143.3, and 139.7 on stop 81's card).
-    // Without the TMA kernels these items keep the two splits (above), unmeasured against 16
-    // splits an item.
+    // share_short: share_band's items from more than the SMs' count to 3/2 of it (to 7/4 where the
+    // TMA kernels are built, stop 82 below), on 4,096 to 8,191 keys of capacity. There a batch of
+    // equal rows runs one split a row, one CTA a slot (ragged_two_waves), and some SMs hold two.
+    // H100, stop 79, interleaved builds, two runs, us, this / the grid of splits (SDPA cuDNN): B17
+    // 32/8 L4096 98.9 / 104.5 (96.2); B20 115.3 / 129.4 (120.5); B24 136.8 / 148.9 (137.0); B40
+    // 28/4 L4096 116.7 / 129.6 (120.5); lengths from 256: B20 65.5 / 64.9. Not taken: fewer items
+    // (B9 64/8 L4096, 72 items, 56.8 / 52.2; B16 32/8 L4096 90.4 / 89.6), more (B28 32/8 L4096, 224
+    // items, 158.2 / 160.8 but from 256 86.4 / 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but
+    // B16 47.8 / 46.7). Not measured on an H200. Stop 82 took it up to 7/4 of the SMs' count
+    // (199-231 items) where its kernel is built. On a second H100, one process, us, this / stop
+    // 81's two splits a row / one split a row (SDPA cuDNN): B25 32/8 L4096 146.4 / 151.2 / 154.4
+    // (142.2); B26 151.8 / 158.3 / 157.7 (147.9); B28 162.1 / 167.9 / 164.7 (159.4); B28 L6144
+    // 237.9 / 248.6 / 248.6 (237.6); B26 64/8 L4096 152.9 / 158.4 / 158.3 (148.4); B52 28/4 L4096
+    // 153.3 / 158.1 / 157.9 (148.5). Ragged batches (lengths from 256) lost 1-3%: B25 75.8 / 74.7,
+    // B28 87.8 / 85.4, B28 L6144 121.2 / 120.0. A third H100 ran the two splits as stop 81's did
+    // (B25 143.3, B26 149.0, B28 160.5, B26 64/8 150.5, us), 1.2-2.3% ahead of the partition on
+    // equal rows (level at L6144), 0-7% behind it on ragged batches (B25 78.9 / 75.2, B26 64/8 79.2
+    // / 73.6). The partition's times agree across cards (B25 146.4 and 146.5); the two splits' do
+    // not (151.2, 143.3, and 139.7 on stop 81's card). Without the TMA kernels these items keep the
+    // two splits (above), unmeasured against 16 splits an item.
     const bool share_short = p.capacity >= 4096 && slots > sms &&
                              (2 * slots <= 3 * sms || (device.decode_tma_kernels && 4 * slots <= 7 * sms));
     // At head size 64 (its kernel on the TMA loader's 32-key slices), on 4,096 keys of capacity or
-    // more: share_short's items, and from 2/3 of the SMs' count to 7/8 of it, where the equal rows'
-    // grid of splits holds some SMs' two CTAs while others idle. Between 7/8 and the SMs' count one
-    // CTA an item (no split) is one wave already. H100, stop 80, one process, interleaved, us, this /
-    // the grid of splits (SDPA cuDNN): 32/8/64 L4096 B12 (96 items) 39.5 / 41.5 (38.1), B17 (136) 52.7
-    // / 54.6 (49.7), B20 60.9 / 65.6 (57.6), B24 71.5 / 76.1 (67.8); L8192 B12 71.5 / 77.4 (72.0), B20
-    // 113.6 / 131.0 (110.7), B24 134.8 / 149.9 (130.8); B12 L16384 134.2 / 150.8 (139.5); lengths from
-    // 256: B20 L4096 36.4 / 40.0, B12 L8192 35.3 / 41.4. Not taken: B9 L4096 (72 items) 31.8 / 27.8,
-    // B16 L4096 (128) 47.3 / 46.4, B64 14/2/64 L4096 (128) 48.6 / 46.7, B28 L4096 (224) 82.4 / 82.8,
-    // 2,048 keys (B20 34.5 / 34.9, B24 40.1 / 40.0, from 256 26.7 / 25.6; B80 14/2/64 36.1 / 35.6).
-    // Not measured on an H200.
+    // more: from more than the SMs' count to 3/2 of it (share_short's band before stop 82, which
+    // head size 64 keeps: 224 items were level, below), and from 2/3 of the SMs' count to 7/8 of
+    // it, where the equal rows' grid of splits holds some SMs' two CTAs while others idle. Between
+    // 7/8 and the SMs' count one CTA an item (no split) is one wave already. H100, stop 80, one
+    // process, interleaved, us, this / the grid of splits (SDPA cuDNN): 32/8/64 L4096 B12 (96
+    // items) 39.5 / 41.5 (38.1), B17 (136) 52.7 / 54.6 (49.7), B20 60.9 / 65.6 (57.6), B24 71.5 /
+    // 76.1 (67.8); L8192 B12 71.5 / 77.4 (72.0), B20 113.6 / 131.0 (110.7), B24 134.8 / 149.9
+    // (130.8); B12 L16384 134.2 / 150.8 (139.5); lengths from 256: B20 L4096 36.4 / 40.0, B12 L8192
+    // 35.3 / 41.4. Not taken: B9 L4096 (72 items) 31.8 / 27.8, B16 L4096 (128) 47.3 / 46.4, B64
+    // 14/2/64 L4096 (128) 48.6 / 46.7, B28 L4096 (224) 82.4 / 82.8, 2,048 keys (B20 34.5 / 34.9,
+    // B24 40.1 / 40.0, from 256 26.7 / 25.6; B80 14/2/64 36.1 / 35.6). Not measured on an H200.
     const bool share_64 = p.capacity >= 4096 &&
                           ((3 * slots > 2 * sms && 8 * slots < 7 * sms) || (slots > sms && 2 * slots <= 3 * sms));
     const bool share_128 = p.capacity >= 8192 ? share_band || share_long || share_few : share_short;
