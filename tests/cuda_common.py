@@ -23,7 +23,7 @@ from reference import to_bnsh
 ROTARY_ULPS = 1
 
 
-def _run_cuda_and_cpu(case_cpu):
+def run_cuda_and_cpu(case_cpu):
     """Runs the same inputs on the CPU backend and on CUDA; checks CUDA against the reference
     (output, caches, guard regions, poisoned allocations) and against the CPU backend. The
     reference and the CPU backend's result are computed once per input (conftest.memoized):
@@ -67,7 +67,7 @@ FEATURE_CYCLE = [
 ]
 
 
-def _check_bad_row_poisons_the_call(case, message, flags=gerr.CAPACITY):
+def check_bad_row_poisons_the_call(case, message, flags=gerr.CAPACITY):
     """Runs an in-place case with a bad row (by default one past the capacity): every output is
     NaN (`message` otherwise), no cache byte changes (guard regions included), and
     check_errors() raises `flags` alone."""
@@ -75,13 +75,13 @@ def _check_bad_row_poisons_the_call(case, message, flags=gerr.CAPACITY):
     out = case.run()
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), message
-    _assert_untouched_except_valid_rows(before, case, written_rows=[])
+    assert_untouched_except_valid_rows(before, case, written_rows=[])
     with pytest.raises(gqa_torch.GQAError) as info:
         gqa_torch.check_errors()
     assert info.value.flags == flags
 
 
-def _decode_kernel_bools(names):
+def decode_kernel_bools(names):
     """decode_mma_kernel's last three template arguments (kPlain, kShares, kKeysM) for each
     decode kernel among the profiler's kernel names, demangled or not."""
     bools = []
@@ -96,7 +96,7 @@ def _decode_kernel_bools(names):
     return bools
 
 
-def _decode_loader_codes(names, head_dim):
+def decode_loader_codes(names, head_dim):
     """The loader template argument (DecodeLoader in decode_mma.cuh) of each decode kernel at
     `head_dim` among the profiler's kernel names, demangled or not."""
     codes = []
@@ -108,7 +108,7 @@ def _decode_loader_codes(names, head_dim):
     return codes
 
 
-def _capture(call, warmups=1, during_capture=None):
+def capture_in_graph(call, warmups=1, during_capture=None):
     """Warms `call` up on a side stream, then captures one call of it in a CUDA graph (and runs
     `during_capture` inside the capture). Returns the graph and the captured call's output."""
     side = torch.cuda.Stream()
@@ -127,7 +127,7 @@ def _capture(call, warmups=1, during_capture=None):
 
 
 @contextlib.contextmanager
-def _shares_forced(item_keys=-1):
+def shares_forced(item_keys=-1):
     """The balanced partition forced on wherever its kernel is built (set_decode_shares "force",
     with this item weight; -1: 512) inside the block, and auto afterwards whatever happens."""
     gqa_torch._C._set_decode_shares("force", item_keys)
@@ -137,25 +137,25 @@ def _shares_forced(item_keys=-1):
         gqa_torch._C._set_decode_shares("auto", -1)
 
 
-def _cuda_kernel_names(call):
+def cuda_kernel_names(call):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def _cuda_kernel_names_or_skip(call):
-    """_cuda_kernel_names(call), or a skip where the profiler records none: under
+def cuda_kernel_names_or_skip(call):
+    """cuda_kernel_names(call), or a skip where the profiler records none: under
     compute-sanitizer, which keeps CUPTI from starting (the tests of which kernel ran are kept
     apart from those of what it computed, so that the sanitizers run the latter whole)."""
-    names = _cuda_kernel_names(call)
+    names = cuda_kernel_names(call)
     if not names:
         pytest.skip("torch.profiler recorded no CUDA kernels here (CUPTI unavailable)")
     return names
 
 
 @contextlib.contextmanager
-def _decode_pinned(merge="auto", max_splits=0, min_split_keys=0, schedule="auto"):
+def decode_pinned(merge="auto", max_splits=0, min_split_keys=0, schedule="auto"):
     """The decode merge, row order and the plan's split counts pinned inside the block (0: the
     plan's), and all given back to auto afterwards whatever happens."""
     gqa_torch._C._set_decode_merge(merge)
@@ -170,7 +170,7 @@ def _decode_pinned(merge="auto", max_splits=0, min_split_keys=0, schedule="auto"
 
 
 @contextlib.contextmanager
-def _switch_pinned(switch, value):
+def switch_pinned(switch, value):
     """One of the decode kernel's named switches (`gqa_torch._C._set_decode_*`) set to `value`
     inside the block, and given back to "auto" afterwards whatever happens."""
     switch(value)
@@ -180,12 +180,12 @@ def _switch_pinned(switch, value):
         switch("auto")
 
 
-def _inplace_step(static):
+def inplace_step(static):
     """The in-place op on a case's tensors, for capture: each replay reads and writes them."""
     return gqa_torch.group_query_attention_(*static.op_args(), **static.attrs)
 
 
-def _replay_with_fresh_inputs_and_check(graph, static, static_out, pasts):
+def replay_with_fresh_inputs_and_check(graph, static, static_out, pasts):
     """Sets the captured step's lengths to `pasts` (total = past + 1) and its q, k and v to fresh
     random values, replays it, and checks the output and the caches against the float64
     reference of the state before the replay."""
@@ -201,7 +201,7 @@ def _replay_with_fresh_inputs_and_check(graph, static, static_out, pasts):
     check_caches(before, static.cache_key, static.cache_value, ref_k, ref_v, rotary_ulps=ROTARY_ULPS)
 
 
-def _assert_untouched_except_valid_rows(case_before, case_after, written_rows):
+def assert_untouched_except_valid_rows(case_before, case_after, written_rows):
     """Everything of the cache buffers (guard region included) is byte-identical, except the
     target rows of the rows in written_rows, which may hold the new K/V."""
     layout = case_before.attrs["kv_layout"]

@@ -25,7 +25,7 @@ import gqa_torch
 from conftest import (DTYPES, NORM_REL, FP32_MAX_REL, assert_output_close, bits_equal, check_caches, hash_str,
                       make_case, output_error, poison, poison_allocator, requires_cuda)
 from test_parity import GRID, RANDOM_CONFIGS, _case_id, build_case
-from cuda_common import FEATURE_CYCLE, ROTARY_ULPS, _check_bad_row_poisons_the_call, _run_cuda_and_cpu
+from cuda_common import FEATURE_CYCLE, ROTARY_ULPS, check_bad_row_poisons_the_call, run_cuda_and_cpu
 
 
 pytestmark = [pytest.mark.cuda, requires_cuda, pytest.mark.usefixtures("clean_error_word")]
@@ -39,7 +39,7 @@ def test_cuda_parity_grid(row):
         with pytest.raises(ValueError, match=r"gqa: query: expected an even head_size on CUDA, got 17"):
             case.to("cuda").run()
         return
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 EVEN_RANDOM_CONFIGS = [c for c in RANDOM_CONFIGS if c["head_dim"] % 2 == 0]
@@ -50,7 +50,7 @@ def test_cuda_random_combinations(cfg):
     """The CPU suite's random feature combinations (even head sizes), on CUDA."""
     cfg = dict(cfg)
     op = cfg.pop("op")
-    _run_cuda_and_cpu(make_case(op, **cfg))
+    run_cuda_and_cpu(make_case(op, **cfg))
 
 
 def test_cuda_inplace_matches_cpu_backend_caches():
@@ -77,11 +77,11 @@ def test_cuda_prefill_sizes(seq, dtype, layout):
     head_dim = [64, 128, 256, 96][idx % 4]
     case = make_case("inplace", batch=3, seq=seq, num_heads=8, kv_num_heads=2, head_dim=head_dim,
                      capacity=seq + 70, layout=layout, dtype=DTYPES[dtype], packed=idx % 2 == 1, **feat)
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
     case = make_case("functional", batch=2, seq=seq, num_heads=4, kv_num_heads=1, head_dim=head_dim,
                      capacity=None, first_prompt=True, prompt_lengths=[seq, max(1, seq // 3)], layout=layout,
                      dtype=DTYPES[dtype], **feat)
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -95,11 +95,11 @@ def test_cuda_prefill_long(dtype, head_dim):
     case = make_case("inplace", batch=2, seq=4096, num_heads=8, kv_num_heads=2, head_dim=head_dim,
                      capacity=4096 + 100, layout=i % 2, dtype=DTYPES[dtype], packed=i % 2 == 1,
                      **FEATURE_CYCLE[i % len(FEATURE_CYCLE)])
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
     case = make_case("functional", batch=2, seq=4096, num_heads=4, kv_num_heads=1, head_dim=head_dim,
                      capacity=None, first_prompt=True, prompt_lengths=[4096, 1500], layout=1 - i % 2,
                      dtype=DTYPES[dtype], **FEATURE_CYCLE[(i + 3) % len(FEATURE_CYCLE)])
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -111,7 +111,7 @@ def test_cuda_prefill_auto_long_prompt(dtype):
     covers 4096)."""
     case = make_case("inplace", batch=1, seq=8192, num_heads=2, kv_num_heads=1, head_dim=128, capacity=8192 + 64,
                      dtype=DTYPES[dtype], packed=dtype == "bf16", **FEATURE_CYCLE[1 + (dtype == "bf16")])
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -127,10 +127,10 @@ def test_cuda_prep_rope_chunking(dtype, rotary, rotary_dim):
         case = make_case("inplace", batch=3, seq=seq, num_heads=8, kv_num_heads=2, head_dim=128, capacity=seq + 40,
                          dtype=DTYPES[dtype], packed=seq > 1, strided=seq == 1, rotary=rotary,
                          rotary_dim=rotary_dim, position_ids="random")
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
         case = make_case("functional", batch=2, seq=seq, num_heads=4, kv_num_heads=1, head_dim=128, capacity=50,
                          dtype=DTYPES[dtype], rotary=rotary, rotary_dim=rotary_dim)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -141,7 +141,7 @@ def test_cuda_decode_subnormal_softcap(dtype, scale, softcap):
     float32 rounds to 0 then gave 0 * inf = NaN instead of uniform weights."""
     case = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=300,
                      past_lengths=[30, 250], dtype=DTYPES[dtype], scale=scale, softcap=softcap)
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 PREFILL_ROUTES = ["mma", "wgmma", "wgmma_ws", "wgmma_ws_cpasync", "wgmma_ws_persistent", "wgmma_ws3",
@@ -185,11 +185,11 @@ def test_cuda_prefill_routes(seq, dtype, head_dim, prefill_route):
             continue  # long rows: a third of the features
         case = make_case("inplace", batch=3, seq=seq, num_heads=8, kv_num_heads=2, head_dim=head_dim,
                          capacity=seq + 70, layout=i % 2, dtype=DTYPES[dtype], packed=i % 2 == 1, **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
         case = make_case("functional", batch=2, seq=seq, num_heads=4, kv_num_heads=1, head_dim=head_dim,
                          capacity=None, first_prompt=True, prompt_lengths=[seq, max(1, seq // 3)], layout=i % 2,
                          dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -206,11 +206,11 @@ def test_cuda_prefill_many_blocks_per_sm(dtype, head_dim, prefill_route):
             continue
         case = make_case("inplace", batch=3, seq=1500, num_heads=16, kv_num_heads=2, head_dim=head_dim,
                          capacity=1600, layout=i % 2, dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
         case = make_case("functional", batch=3, seq=1500, num_heads=16, kv_num_heads=2, head_dim=head_dim,
                          capacity=None, first_prompt=True, prompt_lengths=[1500, 400, 1100], layout=1 - i % 2,
                          dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 def _assert_same_bits_under_routes(routes, q, make_caches, call):
@@ -441,10 +441,10 @@ def test_cuda_prefill_q_loader(dtype, head_dim, heads, prefill_q_loader):
                               dict(scale=-0.08, window=50)]):
         case = make_case("inplace", batch=2, seq=300, num_heads=num_heads, kv_num_heads=kv_heads, head_dim=head_dim,
                          capacity=420, layout=i % 2, dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
     case = make_case("functional", batch=3, seq=260, num_heads=num_heads, kv_num_heads=kv_heads, head_dim=head_dim,
                      capacity=None, first_prompt=True, prompt_lengths=[260, 75, 193], dtype=DTYPES[dtype])
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 @pytest.fixture(params=["auto", "prep"])
@@ -475,7 +475,7 @@ def test_cuda_prefill_kernel_append(seq, dtype, head_dim, prefill_route):
         case = make_case("inplace", batch=len(pasts), seq=seq, num_heads=heads[0], kv_num_heads=heads[1],
                          head_dim=head_dim, capacity=seq + 60, past_lengths=pasts, layout=i % 2,
                          dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -483,10 +483,10 @@ def test_cuda_prefill_kernel_append(seq, dtype, head_dim, prefill_route):
 def test_cuda_prefill_kernel_append_matches_prep(dtype, head_dim, prefill_append):
     """The caches after an in-place prefill of rows with no past (1100 tokens: every CTA walks
     several query blocks, owning some tiles and not others) are the same bytes whether the
-    attention kernel or prep appends them, and match the reference (_run_cuda_and_cpu)."""
+    attention kernel or prep appends them, and match the reference (run_cuda_and_cpu)."""
     case = make_case("inplace", batch=2, seq=1100, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=1200,
                      past_lengths=[0, 0], layout=head_dim == 256, dtype=DTYPES[dtype], strided=True)
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -498,7 +498,7 @@ def test_cuda_prefill_kernel_append_bad_row(dtype, head_dim, prefill_append):
     case = make_case("inplace", batch=3, seq=300, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=400,
                      past_lengths=[0, 50, 0], strided=True, dtype=DTYPES[dtype], device="cuda", poison_unused=False)
     case.seqlens_k[1] = 400  # total 401 > capacity
-    _check_bad_row_poisons_the_call(case, "a bad row anywhere makes every prefill output row NaN")
+    check_bad_row_poisons_the_call(case, "a bad row anywhere makes every prefill output row NaN")
 
 
 @pytest.mark.parametrize("seq", [2, 33])
@@ -515,7 +515,7 @@ def test_cuda_prefill_split_k(seq, dtype, head_dim, prefill_route):
         case = make_case(["inplace", "functional"][i % 2], batch=2, seq=seq, num_heads=8, kv_num_heads=2,
                          head_dim=head_dim, capacity=4100, past_lengths=[4100 - seq, 1500 + 37 * i],
                          layout=(i // 2) % 2, dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -527,7 +527,7 @@ def test_cuda_large_softcap(dtype, softcap, seq):
     logit ~0 with softcap 1e6), and softcap * log2(e) overflowed to inf above 2.4e38."""
     case = make_case("inplace", batch=2, seq=seq, num_heads=8, kv_num_heads=2, head_dim=128, capacity=seq + 100,
                      past_lengths=[30, 90], dtype=DTYPES[dtype], softcap=softcap, q_amplitude=3.0)
-    _run_cuda_and_cpu(case)
+    run_cuda_and_cpu(case)
 
 
 def test_cuda_poisoned_outputs_are_overwritten():

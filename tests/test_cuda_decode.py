@@ -1,7 +1,7 @@
 """GPU tests of the decode kernels (S = 1): every loader at every fast head size, the split
 counts and both merges, bad rows on the tensor-core kernels, and the decode switches (early
 tiles, the L2 prefetch and fetch). Each call is checked against the float64 reference and the
-CPU backend (cuda_common._run_cuda_and_cpu); where a test pins a kernel, the profiler's kernel
+CPU backend (cuda_common.run_cuda_and_cpu); where a test pins a kernel, the profiler's kernel
 names show that it ran. Skipped, with the reason printed, without CUDA kernels or a CUDA
 device.
 """
@@ -13,9 +13,9 @@ import torch
 import gqa_torch
 from gqa_torch import errors as gerr
 from conftest import DTYPES, assert_output_close, make_case, requires_cuda, run_and_check
-from cuda_common import (FEATURE_CYCLE, ROTARY_ULPS, _assert_untouched_except_valid_rows,
-                         _cuda_kernel_names_or_skip, _decode_kernel_bools, _decode_loader_codes,
-                         _decode_pinned, _run_cuda_and_cpu, _switch_pinned)
+from cuda_common import (FEATURE_CYCLE, ROTARY_ULPS, assert_untouched_except_valid_rows,
+                         cuda_kernel_names_or_skip, decode_kernel_bools, decode_loader_codes,
+                         decode_pinned, run_cuda_and_cpu, switch_pinned)
 
 
 pytestmark = [pytest.mark.cuda, requires_cuda, pytest.mark.usefixtures("clean_error_word")]
@@ -31,7 +31,7 @@ def test_cuda_decode(dtype, batch, past, op, decode_merge):
         capacity = max(past) + 16
         case = make_case(op, batch=batch, seq=1, num_heads=8, kv_num_heads=[1, 2, 8][i % 3], head_dim=[64, 128][i % 2],
                          capacity=capacity, past_lengths=past, dtype=DTYPES[dtype], layout=i % 2, **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -42,17 +42,17 @@ def test_cuda_decode_plain_kernel(dtype, head_dim, features):
     compiled without them ("auto"); the general kernel ("general") must give them the same
     results. In place (the fused path: the new key is patched into the warp that reads it) and
     functional, ragged rows over one and several splits, and a 20-head group (two head chunks)."""
-    with _switch_pinned(gqa_torch._C._set_decode_features, features):
+    with switch_pinned(gqa_torch._C._set_decode_features, features):
         for i, op in enumerate(["inplace", "functional"]):
             case = make_case(op, batch=4, seq=1, num_heads=[8, 20][i], kv_num_heads=[2, 1][i], head_dim=head_dim,
                              capacity=3016, past_lengths=[0, 63, 700, 2999], dtype=DTYPES[dtype], layout=i)
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 def _decode_keys_as_rows_flags(names):
     """Whether each decode kernel among the profiler's kernel names is the keys-as-rows form
     (decode_mma_kernel's last template argument, kKeysM)."""
-    return [keys_m for _, _, keys_m in _decode_kernel_bools(names)]
+    return [keys_m for _, _, keys_m in decode_kernel_bools(names)]
 
 
 @pytest.mark.parametrize("hq,hkv,head_dim,loader,keys_as_rows", [
@@ -67,14 +67,14 @@ def test_cuda_decode_keys_as_rows_where_a_kv_head_has_at_most_8_heads(hq, hkv, h
     if loader == "regs_k" and (torch.cuda.get_device_capability()[0] != 9
                                or "9.0a" not in gqa_torch.build_info()["cuda_archs"]):
         pytest.skip("K in registers (a TMA loader) needs an sm90 GPU and a 9.0a build")
-    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+    with switch_pinned(gqa_torch._C._set_decode_loader, loader):
         cases = [make_case("inplace", batch=3, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=head_dim,
                            capacity=2100, past_lengths=[2049, 700, 5], dtype=torch.bfloat16, **feat)
                  for feat in (dict(), dict(rotary="half", softcap=2.0, sink=True))]
         for case in cases:
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
         for case in cases:
-            names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
+            names = cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
             assert _decode_keys_as_rows_flags(names) == [keys_as_rows], names
 
 
@@ -118,7 +118,7 @@ def test_cuda_decode_loaders(dtype, head_dim, op, decode_loader):
         case = make_case(op, batch=6, seq=1, num_heads=[8, 20][i % 2], kv_num_heads=[2, 1][i % 2], head_dim=head_dim,
                          capacity=2016, past_lengths=[0, 14, 16, 62, 64, 1999], dtype=DTYPES[dtype], layout=i % 2,
                          **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 def _loader_test_pasts(rows, batch, capacity):
@@ -137,11 +137,11 @@ def _check_decode_and_its_loader(head_dim, code, context, **shape):
     cases = [make_case("inplace", seq=1, head_dim=head_dim, **shape, **feat)
              for feat in (dict(), dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]
     for case in cases:
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
     # (After every correctness check, which compute-sanitizer runs too.)
     for case in cases:
-        names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
-        assert _decode_loader_codes(names, head_dim) == [code], (context, names)
+        names = cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
+        assert decode_loader_codes(names, head_dim) == [code], (context, names)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -176,7 +176,7 @@ def test_cuda_decode_head_size_256_warps(dtype, batch, hq, hkv, rows, loader):
     if batch == 18:
         assert plan["equal_rows_tail_splits"] > 0, (plan, sms)  # (the case's point; 132 SMs: 8 splits of 12 slots)
     code = 0 if loader == "cp_async" else (3 if four_warps else 1)
-    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+    with switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(256, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
@@ -194,7 +194,7 @@ def test_cuda_decode_head_size_256_last_wave_functional(dtype):
         case = make_case("functional", batch=18, seq=1, num_heads=16, kv_num_heads=8, head_dim=256,
                          capacity=capacity, past_lengths=_loader_test_pasts(rows, 18, capacity),
                          dtype=DTYPES[dtype], layout=layout, **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -239,7 +239,7 @@ def test_cuda_decode_head_size_64_loaders(dtype, batch, hq, hkv, capacity, rows,
     if (batch, capacity) in premises:
         got = (row_splits, plan["longest_first"], plan["equal_rows_splits"], plan["equal_rows_tail_splits"])
         assert got == premises[(batch, capacity)], plan
-    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+    with switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(64, code, (plan, sms), batch=batch, num_heads=hq, kv_num_heads=hkv,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
@@ -267,7 +267,7 @@ def test_cuda_decode_head_size_128_loaders(dtype, batch, capacity, rows, loader,
         ctas, split_keys = plan["max_splits"] * batch * 8, capacity // plan["max_splits"]
         equal_rows_one_wave = 0 < plan["equal_rows_splits"] * batch * 8 <= sms
         assert (code == 6) == (ctas > sms and 1024 <= split_keys <= 4096 and not equal_rows_one_wave), (plan, sms)
-    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+    with switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(128, code, (plan, sms), batch=batch, num_heads=32, kv_num_heads=8,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
@@ -302,7 +302,7 @@ def test_cuda_decode_head_sizes_80_96_loaders(dtype, batch, head_dim, capacity, 
         one_wave_cp_async = ctas <= sms and (head_dim == 80 or split_keys < 512)
         one_ahead = sms < ctas <= 2 * sms and not equal_rows_one_wave
         assert code == (0 if one_wave_cp_async else 6 if one_ahead else 1), (plan, sms)
-    with _switch_pinned(gqa_torch._C._set_decode_loader, loader):
+    with switch_pinned(gqa_torch._C._set_decode_loader, loader):
         _check_decode_and_its_loader(head_dim, code, (plan, sms), batch=batch, num_heads=32, kv_num_heads=32,
                                      capacity=capacity, past_lengths=pasts, dtype=DTYPES[dtype])
 
@@ -320,7 +320,7 @@ def test_cuda_decode_split_shapes(dtype, max_splits, decode_merge):
             case = make_case(["inplace", "functional"][i % 2], batch=5, seq=1, num_heads=[8, 20][i % 2],
                              kv_num_heads=[2, 1][i % 2], head_dim=[64, 128, 256][i % 3], capacity=720,
                              past_lengths=[0, 4, 8, 16, 699], dtype=DTYPES[dtype], layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
     finally:
         gqa_torch._C._set_decode_split_override(0, 0)
 
@@ -333,12 +333,12 @@ def test_cuda_decode_merge_kernel_many_splits(dtype, max_splits):
     kernel, 64, 80, 128) and one that takes a second (256), fp32 on the generic kernel. Rows of
     1 to 700 keys, so that short rows use fewer splits than the grid has (a warp with none at
     all, and one split: the decode kernel writes the row), with every feature."""
-    with _decode_pinned("kernel", max_splits, 1):
+    with decode_pinned("kernel", max_splits, 1):
         for i, feat in enumerate(FEATURE_CYCLE):
             case = make_case(["inplace", "functional"][i % 2], batch=5, seq=1, num_heads=[8, 20][i % 2],
                              kv_num_heads=[2, 1][i % 2], head_dim=[64, 256, 80, 128, 40, 64][i], capacity=720,
                              past_lengths=[0, 4, 9, 130, 699], dtype=DTYPES[dtype], layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -358,7 +358,7 @@ def test_cuda_decode_power_of_two_splits(dtype, hq, hkv, head_dim, capacity, max
                        (capacity - 7, dict(rotary="half", softcap=2.0, q_amplitude=3.0, sink=True))]:
         case = make_case("inplace", batch=1, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=head_dim,
                          capacity=capacity, past_lengths=[past], dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -380,7 +380,7 @@ def test_cuda_decode_short_rows_leave_the_last_splits(dtype, batch, hq, hkv, hea
     for feat in [dict(), dict(rotary="interleaved", softcap=3.0, q_amplitude=3.0, sink=True)]:
         case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=head_dim,
                          capacity=capacity, past_lengths=past_lengths, dtype=DTYPES[dtype], **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -397,13 +397,13 @@ def test_cuda_decode_arrival_merge_long_and_uneven_splits(dtype, head_dim):
     edge = 16 * tile_keys
     # 3 splits of ceil(n / 3) keys: n = 3 edge + 2 gives two splits of edge + 1 and one of edge.
     lengths = [3 * edge + 2, 6 * edge, edge, 1, 3 * edge - 5]  # visible keys a row
-    with _decode_pinned("arrival", 3, 1):
+    with decode_pinned("arrival", 3, 1):
         for i, feat in enumerate(FEATURE_CYCLE):
             case = make_case(["inplace", "functional"][i % 2], batch=len(lengths), seq=1, num_heads=[8, 6, 14][i % 3],
                              kv_num_heads=2, head_dim=head_dim, capacity=6 * edge + 1,
                              past_lengths=[n - 1 for n in lengths], dtype=DTYPES[dtype],
                              layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("batch,head_dim,merge,splits", [
@@ -419,8 +419,8 @@ def test_cuda_decode_merge_switch_picks_the_kernels(batch, head_dim, merge, spli
     case = make_case("inplace", batch=batch, seq=1, num_heads=32, kv_num_heads=8, head_dim=head_dim, capacity=2048,
                      past_lengths=[2000] * batch, dtype=torch.bfloat16, device="cuda")
     in_launch = merge == "arrival" or (merge == "auto" and splits <= 16)
-    with _decode_pinned(merge, splits):
-        names = _cuda_kernel_names_or_skip(lambda: case.clone().run())
+    with decode_pinned(merge, splits):
+        names = cuda_kernel_names_or_skip(lambda: case.clone().run())
     assert any("decode_mma_kernel" in n for n in names), names
     assert any("merge_kernel" in n for n in names) == (not in_launch), names
 
@@ -445,7 +445,7 @@ def test_cuda_decode_bad_row_with_rows_longest_first(head_dim):
     """The bad-row checks with the rows taken longest first (the bad row's length, past the
     capacity, is clamped to it for the ranking, so it ranks first), in 3 splits merged by the
     last to finish."""
-    with _decode_pinned("arrival", 3, 0, "longest_first"):
+    with decode_pinned("arrival", 3, 0, "longest_first"):
         _check_bad_row_on_tensor_cores("bf16", head_dim)
 
 
@@ -458,13 +458,13 @@ def _check_bad_row_on_tensor_cores(dtype, head_dim):
     out = case.run()
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), "every row of a fused call with a bad row must be NaN"
-    _assert_untouched_except_valid_rows(before, case, written_rows=[])
+    assert_untouched_except_valid_rows(before, case, written_rows=[])
     valid = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=head_dim, capacity=2048,
                       past_lengths=[1900, 700], strided=True, dtype=DTYPES[dtype], device="cuda")
     poisoned = valid.clone()
     assert torch.isnan(poisoned.run()).all(), "the set word poisons later calls until it is cleared"
     torch.cuda.synchronize()
-    _assert_untouched_except_valid_rows(valid, poisoned, written_rows=[])  # nor do they append
+    assert_untouched_except_valid_rows(valid, poisoned, written_rows=[])  # nor do they append
     with pytest.raises(gqa_torch.GQAError) as info:
         gqa_torch.check_errors()
     assert info.value.flags == gerr.CAPACITY
@@ -478,7 +478,7 @@ def test_cuda_decode_early_tiles_switch(head_dim, early):
     ("off") or before them ("auto"): ragged rows in place and functional with three
     feature sets, then the bad-row checks, where a valid row's CTAs have copies in flight when
     the checks fail and must wait for them before they leave."""
-    with _switch_pinned(gqa_torch._C._set_decode_early_tiles, early):
+    with switch_pinned(gqa_torch._C._set_decode_early_tiles, early):
         _check_ragged_rows_three_features(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
 
@@ -491,7 +491,7 @@ def _check_ragged_rows_three_features(head_dim):
         case = make_case(["inplace", "functional"][i % 2], batch=3, seq=1, num_heads=8, kv_num_heads=2,
                          head_dim=head_dim, capacity=1100, past_lengths=[1099, 5, 300], dtype=torch.bfloat16,
                          layout=i % 2, **feat)
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -503,7 +503,7 @@ def test_cuda_decode_l2_prefetch_switch(head_dim, prefetch):
     feature sets; then a captured two-call sequence in which the second call reads the row the
     first appended (lines the second may have asked for before the first wrote them); then the
     bad-row checks."""
-    with _switch_pinned(gqa_torch._C._set_decode_l2_prefetch, prefetch):
+    with switch_pinned(gqa_torch._C._set_decode_l2_prefetch, prefetch):
         _check_ragged_rows_three_features(head_dim)
         _check_append_then_read_in_one_graph(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
@@ -516,7 +516,7 @@ def test_cuda_decode_l2_fetch_switch(head_dim, fetch, decode_loader):
     pinned, under each loader (cp.async and regs_k's K loads always ask for 128 bytes, so the
     switch moves nothing under cp.async and only the V maps under regs_k): ragged rows in place
     and functional, in both cache layouts, with three feature sets, then the bad-row checks."""
-    with _switch_pinned(gqa_torch._C._set_decode_l2_fetch, fetch):
+    with switch_pinned(gqa_torch._C._set_decode_l2_fetch, fetch):
         _check_ragged_rows_three_features(head_dim)
         _check_bad_row_on_tensor_cores("bf16", head_dim)
 

@@ -14,9 +14,10 @@ import torch
 import gqa_torch
 from gqa_torch import errors as gerr
 from conftest import DTYPES, make_case, requires_cuda
-from cuda_common import (FEATURE_CYCLE, _capture, _check_bad_row_poisons_the_call, _cuda_kernel_names_or_skip,
-                         _decode_kernel_bools, _decode_loader_codes, _decode_pinned, _inplace_step,
-                         _replay_with_fresh_inputs_and_check, _run_cuda_and_cpu, _shares_forced)
+from cuda_common import (FEATURE_CYCLE, capture_in_graph, check_bad_row_poisons_the_call,
+                         cuda_kernel_names_or_skip, decode_kernel_bools, decode_loader_codes,
+                         decode_pinned, inplace_step, replay_with_fresh_inputs_and_check,
+                         run_cuda_and_cpu, shares_forced)
 
 
 pytestmark = [pytest.mark.cuda, requires_cuda, pytest.mark.usefixtures("clean_error_word")]
@@ -35,7 +36,7 @@ def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits)
     Every feature, both ops and layouts, head sizes 64, 128 and 256."""
     plan = gqa_torch._C._decode_plan(48, 32, 8, 2100, torch.cuda.get_device_properties(0).multi_processor_count)
     assert plan["longest_first"] and (plan["ragged_splits"] or plan["max_splits"]) == 1, plan
-    with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
+    with decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
         for i, feat in enumerate(FEATURE_CYCLE):
             rng = random.Random(100 + i)
             past = [rng.randint(0, 300) for _ in range(48)]
@@ -43,7 +44,7 @@ def test_cuda_decode_ragged_batch_row_orders(dtype, schedule, merge, max_splits)
             case = make_case(["inplace", "functional"][i % 2], batch=48, seq=1, num_heads=32, kv_num_heads=8,
                              head_dim=[64, 128, 256][i % 3], capacity=2100, past_lengths=past, dtype=DTYPES[dtype],
                              layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 def _equal_rows_shape(kind):
@@ -80,7 +81,7 @@ def test_cuda_decode_equal_rows_take_fewer_splits(kind, dtype, schedule, feature
     128 (the TMA loader) and 64 (K loaded into registers), against the reference and the CPU
     backend (under a local window every row sees the window's keys: equal rows again)."""
     batch, hq, hkv, capacity, _ = _equal_rows_shape(kind)
-    with _decode_pinned(schedule=schedule):
+    with decode_pinned(schedule=schedule):
         for i, feat in list(enumerate(FEATURE_CYCLE))[features]:
             past = [capacity - 60] * batch
             if (i // 2) % 2:
@@ -88,7 +89,7 @@ def test_cuda_decode_equal_rows_take_fewer_splits(kind, dtype, schedule, feature
             case = make_case(["inplace", "functional"][i % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
                              head_dim=[128, 64][i % 2], capacity=capacity, past_lengths=past, dtype=DTYPES[dtype],
                              layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 def _tail_shape(kind):
@@ -125,7 +126,7 @@ def test_cuda_decode_equal_rows_tail_splits(kind, dtype, schedule, merge, featur
     the other settings), both ops and layouts, head sizes 128 and 64, against the reference and
     the CPU backend."""
     batch, hq, hkv, capacity, _ = _tail_shape(kind)
-    with _decode_pinned(merge=merge, schedule=schedule):
+    with decode_pinned(merge=merge, schedule=schedule):
         for i, feat in list(enumerate(FEATURE_CYCLE))[features]:
             past = [capacity - 60 if i % 3 != 2 else capacity // 3] * batch
             if i % 3 == 1:
@@ -133,7 +134,7 @@ def test_cuda_decode_equal_rows_tail_splits(kind, dtype, schedule, merge, featur
             case = make_case(["inplace", "functional"][i % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
                              head_dim=[128, 64][(i // 2) % 2], capacity=capacity, past_lengths=past,
                              dtype=DTYPES[dtype], layout=i % 2, **feat)
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 def test_cuda_decode_equal_rows_tail_bad_row():
@@ -145,7 +146,7 @@ def test_cuda_decode_equal_rows_tail_bad_row():
                      past_lengths=[capacity - 1] * batch, strided=True, dtype=torch.bfloat16, device="cuda",
                      poison_unused=False)
     case.seqlens_k[batch - 1] = capacity  # total capacity + 1
-    _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+    check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
 
 
 def test_cuda_decode_equal_rows_bad_row():
@@ -157,7 +158,7 @@ def test_cuda_decode_equal_rows_bad_row():
                      past_lengths=[capacity - 1] * batch, strided=True, dtype=torch.bfloat16, device="cuda",
                      poison_unused=False)
     case.seqlens_k[batch // 2] = capacity  # total capacity + 1
-    _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+    check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
 
 
 def _ragged_pasts(rng, batch, capacity):
@@ -178,13 +179,13 @@ def _check_ragged_batches(shape, seed, schedule, dtype, features):
     reference and the CPU backend."""
     batch, hq, hkv, capacity = shape
     rng = random.Random(seed)
-    with _decode_pinned(schedule=schedule):
+    with decode_pinned(schedule=schedule):
         for j, i in enumerate(features):
             case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
                              head_dim=[128, 64][(j // 2) % 2], capacity=capacity,
                              past_lengths=_ragged_pasts(rng, batch, capacity), dtype=DTYPES[dtype], layout=j % 2,
                              **FEATURE_CYCLE[i])
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("dtype,schedule,features", [
@@ -212,7 +213,7 @@ def test_cuda_decode_nearly_equal_rows_one_cta_an_sm(schedule):
     batch, hq, hkv, capacity, plan = _equal_rows_shape("one")
     assert plan["one_cta_per_sm"] and capacity % 16 == 0, plan
     rng = random.Random(47)
-    with _decode_pinned(schedule=schedule):
+    with decode_pinned(schedule=schedule):
         for j, i in enumerate([0, 1, 4, 2]):
             past = [capacity - 1 - rng.randint(0, capacity // 16 - 1) for _ in range(batch)]
             # (one query token: keys = past + 1)
@@ -220,7 +221,7 @@ def test_cuda_decode_nearly_equal_rows_one_cta_an_sm(schedule):
             case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
                              head_dim=[128, 64][(j // 2) % 2], capacity=capacity, past_lengths=past,
                              dtype=torch.bfloat16, layout=j % 2, **FEATURE_CYCLE[i])
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 def _shares_shape():
@@ -352,13 +353,13 @@ def _run_shares_cases(rng, dtype, features, batch, hq, hkv, capacity, first=0, h
         case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
                          head_dim=head_dim, capacity=capacity, past_lengths=past, dtype=DTYPES[dtype], layout=j % 2,
                          **FEATURE_CYCLE[i])
-        _run_cuda_and_cpu(case)
+        run_cuda_and_cpu(case)
 
 
 def _decode_shares_flags(names):
     """Whether each decode kernel among the profiler's kernel names is the balanced partition's
     (decode_mma_kernel's kShares)."""
-    return [shares for _, shares, _ in _decode_kernel_bools(names)]
+    return [shares for _, shares, _ in decode_kernel_bools(names)]
 
 
 def _require_tma_decode():
@@ -383,12 +384,12 @@ def test_cuda_decode_shares_head_size_64(dtype, features, rows, item_keys):
     batch, hq, hkv, capacity = {"shares": (max(2, 3 * sms // 32), 16, 8, 8256),
                                 "more": (max(2, 3 * sms // 16), 32, 8, 4160),
                                 "few": (max(2, sms // 64), 64, 8, 2112)}[rows]
-    with _shares_forced(item_keys):
+    with shares_forced(item_keys):
         _run_shares_cases(random.Random(97), dtype, features, batch, hq, hkv, capacity, head_dim=64)
         case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=64,
                          capacity=capacity, past_lengths=[capacity - 1] * batch, dtype=DTYPES[dtype])
-        names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
-    assert _decode_shares_flags(names) == [True] and _decode_loader_codes(names, 64) == [8], names
+        names = cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
+    assert _decode_shares_flags(names) == [True] and decode_loader_codes(names, 64) == [8], names
 
 
 @pytest.mark.parametrize("bad_row,item_keys", [(0, -1), ("middle", 1024), ("last", -1)])
@@ -404,8 +405,8 @@ def test_cuda_decode_shares_head_size_64_bad_row(bad_row, item_keys):
     case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=64, capacity=capacity,
                      past_lengths=past, strided=True, dtype=torch.bfloat16, device="cuda", poison_unused=False)
     case.seqlens_k[row] = capacity  # total capacity + 1
-    with _shares_forced(item_keys):
-        _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+    with shares_forced(item_keys):
+        check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
 
 
 def test_cuda_decode_shares_forced_at_head_size_128():
@@ -416,11 +417,11 @@ def test_cuda_decode_shares_forced_at_head_size_128():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch, hq, hkv, capacity = max(2, sms // 8), 32, 8, 2100
     assert gqa_torch._C._decode_plan(batch, hq, hkv, capacity, sms)["shares"] == 0
-    with _shares_forced():
+    with shares_forced():
         _run_shares_cases(random.Random(103), "bf16", [0, 2, 1], batch, hq, hkv, capacity)
         case = make_case("inplace", batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128,
                          capacity=capacity, past_lengths=[capacity - 1] * batch, dtype=torch.bfloat16)
-        names = _cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
+        names = cuda_kernel_names_or_skip(lambda: case.to("cuda").run())
     assert _decode_shares_flags(names) == [True], names
 
 
@@ -445,7 +446,7 @@ def test_cuda_decode_shares_equal_rows_one_cta_an_item(dtype, feature, nearly, g
         for op, layout in (("inplace", 0), ("functional", 1)):
             case = make_case(op, batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv, head_dim=128, capacity=capacity,
                              past_lengths=past, dtype=DTYPES[dtype], layout=layout, **FEATURE_CYCLE[feature])
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
     finally:
         gqa_torch._C._set_decode_shares("auto", -1)
 
@@ -466,7 +467,7 @@ def test_cuda_decode_shares_bad_row(bad_row, grid):
     case.seqlens_k[row] = capacity  # total capacity + 1
     gqa_torch._C._set_decode_shares(grid, -1)
     try:
-        _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
+        check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN")
     finally:
         gqa_torch._C._set_decode_shares("auto", -1)
 
@@ -483,7 +484,7 @@ def test_cuda_decode_shares_bad_position_among_short_rows():
                      past_lengths=past, strided=True, rotary="half", position_ids="offset", max_positions=32,
                      dtype=torch.bfloat16, device="cuda", poison_unused=False)
     case.position_ids[batch // 2, 0] = 32
-    _check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN", gerr.POSITION)
+    check_bad_row_poisons_the_call(case, "every row of a fused call with a bad row must be NaN", gerr.POSITION)
 
 
 def _two_waves_shape():
@@ -521,7 +522,7 @@ def test_cuda_decode_nearly_equal_rows_two_waves(schedule):
     backend."""
     batch, hq, hkv, capacity, _ = _two_waves_shape()
     rng = random.Random(59)
-    with _decode_pinned(schedule=schedule):
+    with decode_pinned(schedule=schedule):
         for j, i in enumerate([0, 1, 4, 2]):
             past = [rng.randint(capacity // 2, capacity - 1) for _ in range(batch)]
             # (one query token: keys = past + 1; the first two cases at the bound, the next two below it)
@@ -529,7 +530,7 @@ def test_cuda_decode_nearly_equal_rows_two_waves(schedule):
             case = make_case(["inplace", "functional"][j % 2], batch=batch, seq=1, num_heads=hq, kv_num_heads=hkv,
                              head_dim=[128, 64][j % 2], capacity=capacity, past_lengths=past,
                              dtype=torch.bfloat16, layout=j % 2, **FEATURE_CYCLE[i])
-            _run_cuda_and_cpu(case)
+            run_cuda_and_cpu(case)
 
 
 @pytest.mark.parametrize("kind", ["one", "two_waves", "tail"])
@@ -547,7 +548,7 @@ def test_cuda_graph_decode_replays_between_equal_and_unequal_rows(kind):
                      past_lengths=[capacity // 2] * batch, rotary="half", max_positions=capacity + 5, dtype=torch.bfloat16,
                      device="cuda", poison_unused=False)
     static = case.clone()
-    graph, static_out = _capture(lambda: _inplace_step(static), warmups=2)
+    graph, static_out = capture_in_graph(lambda: inplace_step(static), warmups=2)
     rng = random.Random(11)
     for lengths in ("equal", "from_half", "equal", "from_empty", "from_half", "from_empty", "equal"):
         if lengths == "equal":
@@ -555,4 +556,4 @@ def test_cuda_graph_decode_replays_between_equal_and_unequal_rows(kind):
         else:
             low = capacity // 2 if lengths == "from_half" else 0
             pasts = [rng.randint(low, capacity - 1) for _ in range(batch)]
-        _replay_with_fresh_inputs_and_check(graph, static, static_out, pasts)
+        replay_with_fresh_inputs_and_check(graph, static, static_out, pasts)

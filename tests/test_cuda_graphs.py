@@ -19,8 +19,8 @@ import torch
 import gqa_torch
 from gqa_torch import errors as gerr
 from conftest import assert_output_close, bits_equal, check_caches, make_case, requires_cuda, run_and_check
-from cuda_common import (ROTARY_ULPS, _assert_untouched_except_valid_rows, _capture, _decode_pinned,
-                         _inplace_step, _replay_with_fresh_inputs_and_check)
+from cuda_common import (ROTARY_ULPS, assert_untouched_except_valid_rows, capture_in_graph,
+                         decode_pinned, inplace_step, replay_with_fresh_inputs_and_check)
 
 
 pytestmark = [pytest.mark.cuda, requires_cuda, pytest.mark.usefixtures("clean_error_word")]
@@ -45,7 +45,7 @@ def test_cuda_graph_decode_replay_50_steps(merge, max_splits, schedule):
     splits merged by the last one to finish, in 2 and in up to 5 splits (the captured arrival
     counters must be zero again after every replay); and with the rows taken longest first,
     which the captured kernel ranks anew from each replay's lengths."""
-    with _decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
+    with decode_pinned(merge, max_splits, 1 if max_splits else 0, schedule):
         _graph_decode_replay_50_steps()
 
 
@@ -62,7 +62,7 @@ def test_cuda_decode_on_two_streams_at_once(merge, schedule):
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for st in streams:
         st.wait_stream(torch.cuda.current_stream())
-    with _decode_pinned(merge, 16, 1, schedule):
+    with decode_pinned(merge, 16, 1, schedule):
         outs = []
         for i, case in enumerate(cases):
             with torch.cuda.stream(streams[i % 2]):
@@ -78,7 +78,7 @@ def test_cuda_decode_graph_beside_eager_calls_on_its_capture_stream():
     s1's, so neither side counts the other's splits, and every output and cache matches the
     reference. (Each replay appends the same row and reads the same keys, so five replays leave
     what one leaves.)"""
-    with _decode_pinned("arrival", 16, 1):
+    with decode_pinned("arrival", 16, 1):
         def decode_case(i):
             return make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=1500,
                              past_lengths=[1400 - 41 * i, 700 + 29 * i], dtype=torch.bfloat16, device="cuda",
@@ -151,16 +151,16 @@ def test_cuda_graph_lanes_come_back_with_their_graphs():
     lane for good: past the 256th, decode calls merged their splits in the slower merge kernel.)
     The captures take no warm-up on side streams, whose eager calls would hold lanes of their
     own."""
-    with _decode_pinned("arrival", 16, 1):
+    with decode_pinned("arrival", 16, 1):
         static = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=600,
                            past_lengths=[500, 300], dtype=torch.bfloat16, device="cuda", poison_unused=False)
-        _inplace_step(static)  # (the error word and this stream's lane exist before the count)
+        inplace_step(static)  # (the error word and this stream's lane exist before the count)
         start = _settled_lanes_held()
         graphs = []
         for _ in range(5):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                _inplace_step(static)
+                inplace_step(static)
             graphs.append(graph)
         assert _settled_lanes_held() == start + 5
         del graphs, graph
@@ -172,9 +172,9 @@ def test_cuda_graph_lanes_come_back_with_their_graphs():
         for i in range(300):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = _inplace_step(static)
+                out = inplace_step(static)
             if i % 50 == 49:
-                _replay_with_fresh_inputs_and_check(graph, static, out, [100 + i, 17 + i])
+                replay_with_fresh_inputs_and_check(graph, static, out, [100 + i, 17 + i])
             else:
                 graph.replay()
             del graph, out
@@ -206,13 +206,13 @@ def test_cuda_decode_with_every_lane_held_warns_and_merges_in_the_kernel(capfd):
     def capture(pool):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = _inplace_step(static)
+            out = inplace_step(static)
         return graph, out
 
-    with _decode_pinned("arrival", 16, 1):
+    with decode_pinned("arrival", 16, 1):
         static = make_case("inplace", batch=2, seq=1, num_heads=8, kv_num_heads=2, head_dim=128, capacity=600,
                            past_lengths=[500, 300], dtype=torch.bfloat16, device="cuda", poison_unused=False)
-        _inplace_step(static)  # (the error word and this stream's lane exist before the count)
+        inplace_step(static)  # (the error word and this stream's lane exist before the count)
         start = _settled_lanes_held()
         assert start < 256
         graphs, pool = [], None
@@ -225,10 +225,10 @@ def test_cuda_decode_with_every_lane_held_warns_and_merges_in_the_kernel(capfd):
         assert len(said) == 1, said
         assert "all 256 lanes" in said[0] and "Destroying CUDA graphs" in said[0], said
         assert _settled_lanes_held() == 256
-        _replay_with_fresh_inputs_and_check(laneless, static, laneless_out, [431, 250])
+        replay_with_fresh_inputs_and_check(laneless, static, laneless_out, [431, 250])
         (second, second_out), said = _lane_warnings(lambda: capture(pool), capfd)
         assert said == []
-        _replay_with_fresh_inputs_and_check(second, static, second_out, [98, 577])
+        replay_with_fresh_inputs_and_check(second, static, second_out, [98, 577])
 
         del graphs[0]
         held = _settled_lanes_held()
@@ -245,7 +245,7 @@ def test_cuda_decode_with_every_lane_held_warns_and_merges_in_the_kernel(capfd):
         assert _settled_lanes_held() == start
         graph, out = capture(None)
         assert _settled_lanes_held() == start + 1
-        _replay_with_fresh_inputs_and_check(graph, static, out, [377, 512])
+        replay_with_fresh_inputs_and_check(graph, static, out, [377, 512])
 
 
 def _graph_decode_replay_50_steps():
@@ -257,14 +257,14 @@ def _graph_decode_replay_50_steps():
     static = case.clone()
     start_k, start_v = static.cache_key.clone(), static.cache_value.clone()
 
-    graph, static_out = _capture(lambda: _inplace_step(static), warmups=2)
+    graph, static_out = capture_in_graph(lambda: inplace_step(static), warmups=2)
     static.cache_key.copy_(start_k)
     static.cache_value.copy_(start_v)
     torch.cuda.synchronize()
 
     for _ in range(50):
         static.position_ids.copy_(torch.randint(0, 200, (B, 1), dtype=torch.int64))
-        _replay_with_fresh_inputs_and_check(graph, static, static_out, [rng.randint(0, C - 1) for _ in range(B)])
+        replay_with_fresh_inputs_and_check(graph, static, static_out, [rng.randint(0, C - 1) for _ in range(B)])
 
 
 def test_cuda_graph_replay_with_bad_row_sets_flags():
@@ -277,7 +277,7 @@ def test_cuda_graph_replay_with_bad_row_sets_flags():
         with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
             gqa_torch.check_errors()
 
-    graph, out = _capture(case.run, during_capture=check_errors_refused)
+    graph, out = capture_in_graph(case.run, during_capture=check_errors_refused)
     case.seqlens_k.copy_(torch.tensor([5, 40], dtype=torch.int32, device="cuda"))  # row 1: total 41 > 32
     k_before = case.cache_key.clone()
     graph.replay()
@@ -317,7 +317,7 @@ def _captured_decode_loop(case, steps, poison_at=None, bad_row=1, resume_after=2
                                                 static.cache_value, static.seqlens_k, **static.attrs)
 
     load(0)  # the warm-up call writes exactly what step 0 writes
-    graph, out = _capture(call)
+    graph, out = capture_in_graph(call)
 
     record, error = [], None
 
@@ -464,7 +464,7 @@ def test_error_word_inplace_deferred(bad):
     out = case.run()
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all(), "the violating row's output must be NaN"
-    _assert_untouched_except_valid_rows(before, case, written_rows=[0, 2])
+    assert_untouched_except_valid_rows(before, case, written_rows=[0, 2])
     with pytest.raises(gqa_torch.GQAError) as info:
         gqa_torch.check_errors()
     assert info.value.flags == flags, f"flags {info.value.flags} != {flags}"
@@ -485,7 +485,7 @@ def test_error_word_is_sticky_until_cleared():
         out = good.run()
         torch.cuda.synchronize()
         assert torch.isnan(out).all(), "calls after a flagged one must be poisoned (NaN)"
-        _assert_untouched_except_valid_rows(before, good, written_rows=[])
+        assert_untouched_except_valid_rows(before, good, written_rows=[])
     with pytest.raises(gqa_torch.GQAError) as info:
         gqa_torch.check_errors()
     assert info.value.flags == flags
@@ -524,7 +524,7 @@ def test_synchronous_errors_switch_makes_inplace_raise():
     with pytest.raises(gqa_torch.GQAError) as info:
         case.run()
     assert info.value.flags == flags
-    _assert_untouched_except_valid_rows(before, case, written_rows=[0, 2])
+    assert_untouched_except_valid_rows(before, case, written_rows=[0, 2])
     gqa_torch.check_errors()  # the raising call cleared it
     gqa_torch.set_synchronous_errors(False)
     case, flags = _bad_inplace_case("negative")

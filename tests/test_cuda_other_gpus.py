@@ -24,7 +24,7 @@ import torch
 
 import gqa_torch
 from conftest import DTYPES, make_case, requires_cuda, run_and_check
-from cuda_common import _cuda_kernel_names_or_skip, _decode_loader_codes, _shares_forced
+from cuda_common import cuda_kernel_names_or_skip, decode_loader_codes, shares_forced
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -79,8 +79,8 @@ def test_decode_under_a_99kb_budget(head_dim, dtype, op, features, smem_budget):
 def test_decode_under_a_99kb_budget_takes_a_loader_that_fits(head_dim, dtype, op, features, smem_budget):
     """The decode kernel that test_decode_under_a_99kb_budget's call runs, by its loader."""
     smem_budget(SM86_BLOCK_BYTES)
-    names = _cuda_kernel_names_or_skip(_ragged_decode(head_dim, dtype, op, features).run)
-    codes = _decode_loader_codes(names, head_dim)
+    names = cuda_kernel_names_or_skip(_ragged_decode(head_dim, dtype, op, features).run)
+    codes = decode_loader_codes(names, head_dim)
     assert len(codes) == 1 and codes[0] in LOADERS_AT_99KB[head_dim], names
 
 
@@ -105,8 +105,8 @@ def test_decode_under_a_99kb_budget_more_rows_than_threads(head_dim, smem_budget
 def test_decode_under_a_99kb_budget_more_rows_than_threads_runs_the_narrow_loader(head_dim, smem_budget):
     """The kernel that the test above checks is the narrow one (loader code 9)."""
     smem_budget(SM86_BLOCK_BYTES)
-    names = _cuda_kernel_names_or_skip(_many_ragged_rows(head_dim).run)
-    assert _decode_loader_codes(names, head_dim) == [9], names
+    names = cuda_kernel_names_or_skip(_many_ragged_rows(head_dim).run)
+    assert decode_loader_codes(names, head_dim) == [9], names
 
 
 def _bytes_allocated_by(call):
@@ -139,7 +139,7 @@ def test_decode_without_tma_loaders_takes_16_splits_in_the_partition_bands(head_
     plan = gqa_torch._C._decode_plan(batch, num_heads, 8, capacity, sms, head_dim=head_dim, tma_kernels=False)
     assert plan["shares"] == 0 and plan["max_splits"] == 16, plan
     auto_bytes = _bytes_allocated_by(case().run)
-    with _shares_forced():
+    with shares_forced():
         forced_bytes = _bytes_allocated_by(case().run)
         run_and_check(case(), suite="cuda_small_smem")
     run_and_check(case(), suite="cuda_small_smem")
@@ -183,7 +183,7 @@ def test_prefill_under_a_99kb_budget_runs_the_mma_sync_kernel(head_dim, dtype, s
     (the wgmma ones have eight or twelve)."""
     smem_budget(SM86_BLOCK_BYTES)
     for case in _prefill_cases(head_dim, dtype):
-        names = _cuda_kernel_names_or_skip(case.run)
+        names = cuda_kernel_names_or_skip(case.run)
         warps = [int(m.group(1)) for n in names
                  for m in [re.search(r"prefill_mma_kernel<[^,<>]+,\s*[\w:]*Config<\d+,\s*(\d+),", n)
                            or re.search(r"prefill_mma_kernelI\w+?ConfigILi\d+ELi(\d+)E", n)] if m]
