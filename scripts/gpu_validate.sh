@@ -123,6 +123,8 @@ small_smem_checks() {
 # are timed against SDPA cuDNN alone. Logs straight under $ROOT_OUT.
 plan_rules() {
   local rc=0
+  # ab_decode.py imports gqa_torch from this tree (gpu_check.sh sets the same path for its steps)
+  export PYTHONPATH=$PWD
   local equal="20x32x8x128x4096 24x32x8x128x4096 40x28x4x128x4096 25x32x8x128x4096 26x32x8x128x4096"
   equal+=" 28x32x8x128x4096 28x32x8x128x6144 26x64x8x128x4096"
   local others="20x32x8x128x4096r256 26x32x8x128x4096r256 20x32x8x64x4096 12x32x8x64x8192 20x32x8x64x4096r256"
