@@ -7,6 +7,7 @@
 #                                        # in 13 on an H100 in stop 83), then memcheck, racecheck
 #                                        # and synccheck over 172 tests, side by side
 #   bash scripts/gpu_validate.sh decode_tests  # decode's tests alone (no sanitizers)
+#   bash scripts/gpu_validate.sh sanitizers    # decode's sanitizers alone (no tests)
 #   bash scripts/gpu_validate.sh rest    # the prefill GPU tests in seven processes beside the
 #                                        # other test files (the CUDA fuzz, parity, torch
 #                                        # integration, soak and concurrency, ORT)
@@ -170,6 +171,10 @@ case ${1:-} in
     # timeout.
     GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=240 \
       part sanitizers checks || status=1 ;;
+  sanitizers)
+    # decode's sanitizers alone, without its tests before them.
+    GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=240 \
+      part sanitizers checks || status=1 ;;
   decode_tests)
     # decode's tests alone, without the sanitizers after them.
     GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
@@ -198,6 +203,6 @@ case ${1:-} in
   shards)
     PYTHONPATH=$PWD check_decode_shards || status=1 ;;
   *)
-    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|rest|bench|smem|grid|rules|shards"; exit 2 ;;
+    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|sanitizers|rest|bench|smem|grid|rules|shards"; exit 2 ;;
 esac
 exit $status
