@@ -2,7 +2,7 @@
 # One whole GPU round on the device machine: build, GPU tests, compute-sanitizer, benchmarks.
 # Summaries go to stdout; the full logs and benchmarks/results/ to $OUT/gpu_logs.tgz (one
 # file, because the device tool brings back only a few files per call).
-# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|bwprobe|ab|abbuild|variants|abdecode|timeline|dtbuild|dtimeline|order|profile|checks]...
+# Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|prefill|sass|e2e|soak|sweep|probe|bwprobe|ab|abbuild|variants|abdecode|abprofile|timeline|dtbuild|dtimeline|order|profile|checks]...
 # (default: build test sanitize bench prefill, in that order). "checks" runs test, soak and the
 # four sanitizer tools at once, as separate processes (correctness only; never with benchmarks);
 # GQA_CHECKS picks a subset of them; GQA_OMP_THREADS the CPU threads of the test step (shared
@@ -36,6 +36,18 @@ source scripts/cuda_test_files.sh
 # The tree without its build outputs, into directory $1 (a copy to build another way).
 copy_tree() { tar --exclude=./build --exclude='./gqa_torch/_C*.so' --exclude=./gpu_out --exclude=./.variants -cf - . | tar -xf - -C "$1"; }
 status=0
+# This tree, then each GQA_VARIANTS tree that the "variants" step built or unpacked, into the
+# array `trees` (each build waited for, up to 10 minutes; one that failed is named and left out,
+# and sets status).
+variant_trees() {
+  trees=("$PWD"); local i=0 vt patch
+  for patch in ${GQA_VARIANTS:-}; do
+    vt=/tmp/gqa_variant_$i
+    for _ in $(seq 600); do [ -e "$vt/.built" ] || [ -e "$vt/.failed" ] && break; sleep 1; done
+    if [ -e "$vt/.built" ]; then trees+=("$vt"); else echo "variant $i ($patch) did not build:"; tail -20 "$OUT/variant$i.log"; status=1; fi
+    i=$((i + 1))
+  done
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 
 for step in $steps; do
@@ -178,13 +190,7 @@ for step in $steps; do
     abdecode)
       # benchmarks/ab_decode.py (GQA_ABDECODE_ARGS) in this tree and in each variant's, in turn,
       # GQA_AB_REPEATS times (default 3), the order alternating.
-      trees=("$PWD"); i=0
-      for patch in ${GQA_VARIANTS:-}; do
-        vt=/tmp/gqa_variant_$i
-        for _ in $(seq 600); do [ -e "$vt/.built" ] || [ -e "$vt/.failed" ] && break; sleep 1; done
-        if [ -e "$vt/.built" ]; then trees+=("$vt"); else echo "variant $i ($patch) did not build:"; tail -20 "$OUT/variant$i.log"; status=1; fi
-        i=$((i + 1))
-      done
+      variant_trees
       for r in $(seq ${GQA_AB_REPEATS:-3}); do
         order=("${trees[@]}"); [ $((r % 2)) -eq 0 ] && mapfile -t order < <(printf '%s\n' "${trees[@]}" | tac)
         for tree in "${order[@]}"; do
@@ -233,6 +239,19 @@ for step in $steps; do
         ${GQA_PROFILE_ROWS:-b1_l1024 b8_l32768} > "$OUT/profile.log" 2>&1 || status=1
       grep -v "^ *$" "$OUT/profile.log" | cut -c1-200 | tail -60
       rm -f "$OUT"/rep_*.ncu-rep ;;
+    abprofile)
+      # The "profile" step (Nsight Compute over GQA_PROFILE_ROWS, with the per-instruction stall
+      # samples) in this tree and in each variant's, so that two forms of a kernel can be
+      # profiled on one card in one call; each tree's logs under $OUT/profile_<tree>/.
+      variant_trees
+      for tree in "${trees[@]}"; do
+        name=$(basename "$tree"); mkdir -p "$OUT/profile_$name"
+        echo "== profile of $name"
+        (cd "$tree" && OUT=$OUT/profile_$name GQA_SKIP_BUILD=1 GQA_SASS=1 timeout ${GQA_PROFILE_TIMEOUT:-300} \
+          bash scripts/profile_gpu.sh ${GQA_PROFILE_ROWS:-g8_b16_l8192}) > "$OUT/profile_$name/profile.log" 2>&1 || status=1
+        grep -v "^ *$" "$OUT/profile_$name/profile.log" | cut -c1-200 | tail -40
+        rm -f "$OUT/profile_$name"/rep_*.ncu-rep
+      done ;;
     e2e)
       (cd benchmarks && python3 bench_e2e.py ${GQA_E2E_ARGS:-}) > "$OUT/bench_e2e.log" 2>&1 || status=1
       tail -20 "$OUT/bench_e2e.log" ;;
