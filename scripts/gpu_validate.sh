@@ -163,22 +163,28 @@ check_decode_shards() {
   return $rc
 }
 
+# The non-prefill decode tests in their shards (267 s on an H200 in stop 84).
+decode_tests() {
+  GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
+    GQA_TEST_SPLIT="$DECODE_SPLIT" part decode_tests checks
+}
+
+# The three sanitizers over SANITIZE_K's tests, side by side (160 s on an H200 in stop 84).
+decode_sanitizers() {
+  GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=240 \
+    part sanitizers checks
+}
+
 case ${1:-} in
   decode)
-    GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
-      GQA_TEST_SPLIT="$DECODE_SPLIT" part decode_tests checks || status=1
-    # After the tests (about 250 s): memcheck beside the equal-rows shard slowed it past its
+    # The sanitizers after the tests: memcheck beside the equal-rows shard slowed it past its
     # timeout.
-    GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=240 \
-      part sanitizers checks || status=1 ;;
-  sanitizers)
-    # decode's sanitizers alone, without its tests before them.
-    GQA_CHECKS="memcheck racecheck synccheck" GQA_SANITIZE_K="$SANITIZE_K" GQA_SANITIZE_TIMEOUT=240 \
-      part sanitizers checks || status=1 ;;
+    decode_tests || status=1
+    decode_sanitizers || status=1 ;;
   decode_tests)
-    # decode's tests alone, without the sanitizers after them.
-    GQA_CHECKS="test" GQA_TESTS="$DECODE_FILES" GQA_TEST_K="not prefill" GQA_TEST_TIMEOUT=340 \
-      GQA_TEST_SPLIT="$DECODE_SPLIT" part decode_tests checks || status=1 ;;
+    decode_tests || status=1 ;;
+  sanitizers)
+    decode_sanitizers || status=1 ;;
   rest)
     # Two test runs side by side, each told half the cores.
     GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TESTS="tests/test_cuda.py" GQA_TEST_K="prefill" GQA_TEST_TIMEOUT=340 \
