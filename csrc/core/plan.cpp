@@ -147,12 +147,14 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // (157.0-157.2); B28 L6144 231.4-231.8 / 238.2-238.7 (232.1-232.3); B26 L2048 76.9 / 80.2 (75.1);
     // B26 64/8 L4096 147.2 / 156.0 (145.1); B52 28/4 L4096 147.2 / 156.0 (144.8). Level at B29 and B30
     // (232 and 240 items; B32, 256, 176.5 / 173.9) and for ragged batches (B26 and B28 from 256),
-    // which took two splits already. Not measured on an H200, nor without the TMA loaders. Stop 82:
+    // which took two splits already. Not measured without the TMA loaders. Stop 82:
     // the rule's build level with one split on a second H100 (B25 151.2 / 154.4, B28 167.9 /
     // 164.7, the rest within 1.3%; B26 L2048 79.4 / 81.0), 2.6-7.4% ahead on a third (B25 143.3 /
     // 154.8, B28 160.5 / 164.8). Since then the balanced partition (share_short, below) serves
     // these items on 4,096-8,191 keys where its kernel is built; the rule stays for 2,048-4,095
-    // keys and for devices without the TMA kernels.
+    // keys and for devices without the TMA kernels. On an H200 (stop 84) the pin splits=2 ran
+    // those equal rows as on the third H100 (B25 102.4, B26 105.8, B26 64/8 107.2 us against the
+    // partition's 103.3, 108.2, 109.9; B28 level; B28 L6144 168.0 against 166.8).
     if (p.head_dim == 128 && plan.equal_rows_splits == 1 && plan.max_splits == 2 && 2 * slots > 3 * sms &&
         4 * slots <= 7 * sms) {
       plan.equal_rows_splits = 0;
@@ -160,35 +162,35 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
       plan.ragged_two_waves = false;
     }
     // Equal rows in one split a row whose CTAs end in a partial wave at two an SM. The block
-    // dispatcher gives each SM two CTAs of the first wave, and they finish together; the next
-    // CTAs then go to the SMs that freed their slots first, two an SM, so a last wave of r CTAs
-    // ran on about r / 2 SMs while the rest idled (H200, forty-third round, decode timeline:
-    // B48 32/8/64 L2048, 384 CTAs, the second wave's 120 on 73 SMs, 47 of them with two; the
-    // SMs that ran two CTAs in all idled the last 25 of 60 us). So the rows of that last wave
-    // take as many splits each as fill the slots (at most 8, of 256 keys or more): r CTAs of
-    // one split become r x tail_splits CTAs of 1 / tail_splits the keys, and the wave takes that
-    // fraction of the time. A ragged batch keeps one split a row, dispatched longest first
-    // (its SMs free their slots at different times already). H200, forty-third round,
-    // interleaved, us, tail splits / one split a row (SDPA cuDNN): B48 32/8/64 L2048 54.4 / 59.2
-    // (49.5), B40 46.6 / 57.1 (42.2), B34 41.4 / 53.4 (36.9), B100 107.6 / 112.7 (99.6), B44
-    // L4096 90.7 / 110.6 (85.4); B48 32/8/128 L2048 97.5 / 99.5 (98.2), L8192 363.7 / 381.3
-    // (374.8), B36 L8192 272.0 / 308.3 (318.8), B40 L4096 152.4 / 178.5 (171.9), B96 28/4/128
-    // L4096 184.4 / 191.7 (189.9); B12 32/32 L4096 at head size 128 180.6 / 189.1 (186.8), 96
-    // 149.9 / 174.7 (160.2), B12 32/32/80 L2048 67.7 / 77.9 (72.7). A ragged batch pays for the
-    // grid's leaving CTAs: lengths from 256, B48 32/8/64 L2048 34.6 / 34.4, B40 29.05 / 28.9,
-    // B44 L4096 55.7 / 55.4, B12 32/32/128 L4096 102.6 / 102.3.
-    // At head size 256 with four warps a CTA (one an SM) a wave is the SMs' count, and the
-    // launch takes four warps for the grid this gives (decode_mma.cuh). Before, such a grid
-    // ran two warps two an SM in one wave, and the SMs that drew two CTAs streamed twice the
-    // keys of the others; four warps in plain waves ran the last few slots on their SMs alone.
-    // H100, stop 79, one process, interleaved, us, this rule / the grid of two warps before
-    // (the schedule pin keep_splits runs it) / four warps in plain waves (SDPA flash): B17
-    // 32/8/256 L2048 (136 slots) 104.2 / 114.6 / 121.7 (112.0), lengths from 256 66.2 / 79.5 /
-    // 65.9; B18 16/8/256 L2100 110.1 / 129.1 / 125.4 (115.6); B20 16/8/256 L4096 223.9 / 261.5 /
-    // 255.6 (227.3), from 256 129.5 / 160.4 / 129.7; B24 16/8/256 L4096 263.9 / 298.5 / 270.3
-    // (265.6), from 256 151.5 / 190.9 / 151.5; B34 8/4/256 L4096 187.5 / 222.2 / 220.2 (196.0).
-    // Not measured on an H200, nor at head size 256 with two warps only (no sm90a build), which
-    // keeps the wave of two an SM.
+    // dispatcher gives each SM two CTAs of the first wave, and they finish together; the next CTAs
+    // then go to the SMs that freed their slots first, two an SM, so a last wave of r CTAs ran on
+    // about r / 2 SMs while the rest idled (H200, forty-third round, decode timeline: B48 32/8/64
+    // L2048, 384 CTAs, the second wave's 120 on 73 SMs, 47 of them with two; the SMs that ran two
+    // CTAs in all idled the last 25 of 60 us). So the rows of that last wave take as many splits
+    // each as fill the slots (at most 8, of 256 keys or more): r CTAs of one split become r x
+    // tail_splits CTAs of 1 / tail_splits the keys, and the wave takes that fraction of the time. A
+    // ragged batch keeps one split a row, dispatched longest first (its SMs free their slots at
+    // different times already). H200, forty-third round, interleaved, us, tail splits / one split a
+    // row (SDPA cuDNN): B48 32/8/64 L2048 54.4 / 59.2 (49.5), B40 46.6 / 57.1 (42.2), B34 41.4 /
+    // 53.4 (36.9), B100 107.6 / 112.7 (99.6), B44 L4096 90.7 / 110.6 (85.4); B48 32/8/128 L2048
+    // 97.5 / 99.5 (98.2), L8192 363.7 / 381.3 (374.8), B36 L8192 272.0 / 308.3 (318.8), B40 L4096
+    // 152.4 / 178.5 (171.9), B96 28/4/128 L4096 184.4 / 191.7 (189.9); B12 32/32 L4096 at head size
+    // 128 180.6 / 189.1 (186.8), 96 149.9 / 174.7 (160.2), B12 32/32/80 L2048 67.7 / 77.9 (72.7). A
+    // ragged batch pays for the grid's leaving CTAs: lengths from 256, B48 32/8/64 L2048 34.6 /
+    // 34.4, B40 29.05 / 28.9, B44 L4096 55.7 / 55.4, B12 32/32/128 L4096 102.6 / 102.3. At head
+    // size 256 with four warps a CTA (one an SM) a wave is the SMs' count, and the launch takes
+    // four warps for the grid this gives (decode_mma.cuh). Before, such a grid ran two warps two an
+    // SM in one wave, and the SMs that drew two CTAs streamed twice the keys of the others; four
+    // warps in plain waves ran the last few slots on their SMs alone. H100, stop 79, one process,
+    // interleaved, us, this rule / the grid of two warps before (the schedule pin keep_splits runs
+    // it) / four warps in plain waves (SDPA flash): B17 32/8/256 L2048 (136 slots) 104.2 / 114.6 /
+    // 121.7 (112.0), lengths from 256 66.2 / 79.5 / 65.9; B18 16/8/256 L2100 110.1 / 129.1 / 125.4
+    // (115.6); B20 16/8/256 L4096 223.9 / 261.5 / 255.6 (227.3), from 256 129.5 / 160.4 / 129.7;
+    // B24 16/8/256 L4096 263.9 / 298.5 / 270.3 (265.6), from 256 151.5 / 190.9 / 151.5; B34 8/4/256
+    // L4096 187.5 / 222.2 / 220.2 (196.0). H200, stop 84, one process, us, this rule / keep_splits:
+    // B17 32/8/256 L2048 80.4 / 78.5, from 256 52.6 / 74.4; B24 16/8/256 L4096 188.6 / 219.4. Not
+    // measured at head size 256 with two warps only (no sm90a build), which keeps the wave of two
+    // an SM.
     const int64_t wave = four_warps ? sms : 2 * sms;
     const int64_t tail = slots % wave;
     if (plan.longest_first && splits == 1 && plan.equal_rows_splits == 0 && (p.head_dim <= 128 || four_warps) &&
@@ -265,18 +267,19 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // 28/4 L4096 116.7 / 129.6 (120.5); lengths from 256: B20 65.5 / 64.9. Not taken: fewer items
     // (B9 64/8 L4096, 72 items, 56.8 / 52.2; B16 32/8 L4096 90.4 / 89.6), more (B28 32/8 L4096, 224
     // items, 158.2 / 160.8 but from 256 86.4 / 83.4), 2,048 keys (B20 32/8 L2048 62.2 / 66.4, but
-    // B16 47.8 / 46.7). Not measured on an H200. Stop 82 took it up to 7/4 of the SMs' count
-    // (199-231 items) where its kernel is built. On a second H100, one process, us, this / stop
-    // 81's two splits a row / one split a row (SDPA cuDNN): B25 32/8 L4096 146.4 / 151.2 / 154.4
-    // (142.2); B26 151.8 / 158.3 / 157.7 (147.9); B28 162.1 / 167.9 / 164.7 (159.4); B28 L6144
-    // 237.9 / 248.6 / 248.6 (237.6); B26 64/8 L4096 152.9 / 158.4 / 158.3 (148.4); B52 28/4 L4096
-    // 153.3 / 158.1 / 157.9 (148.5). Ragged batches (lengths from 256) lost 1-3%: B25 75.8 / 74.7,
-    // B28 87.8 / 85.4, B28 L6144 121.2 / 120.0. A third H100 ran the two splits as stop 81's did
-    // (B25 143.3, B26 149.0, B28 160.5, B26 64/8 150.5, us), 1.2-2.3% ahead of the partition on
-    // equal rows (level at L6144), 0-7% behind it on ragged batches (B25 78.9 / 75.2, B26 64/8 79.2
-    // / 73.6). The partition's times agree across cards (B25 146.4 and 146.5); the two splits' do
-    // not (151.2, 143.3, and 139.7 on stop 81's card). Without the TMA kernels these items keep the
-    // two splits (above), unmeasured against 16 splits an item.
+    // B16 47.8 / 46.7). H200, stop 84, this / one split a row (the pin splits=1; cuDNN): B20 84.3 /
+    // 107.3 (82.6), B24 99.4 / 112.3 (99.2), B40 86.3 / 108.3 (82.6). Stop 82 took it up to 7/4 of
+    // the SMs' count (199-231 items) where its kernel is built. On a second H100, one process, us,
+    // this / stop 81's two splits a row / one split a row (SDPA cuDNN): B25 32/8 L4096 146.4 /
+    // 151.2 / 154.4 (142.2); B26 151.8 / 158.3 / 157.7 (147.9); B28 162.1 / 167.9 / 164.7 (159.4);
+    // B28 L6144 237.9 / 248.6 / 248.6 (237.6); B26 64/8 L4096 152.9 / 158.4 / 158.3 (148.4); B52
+    // 28/4 L4096 153.3 / 158.1 / 157.9 (148.5). Ragged batches (lengths from 256) lost 1-3%: B25
+    // 75.8 / 74.7, B28 87.8 / 85.4, B28 L6144 121.2 / 120.0. A third H100 ran the two splits as
+    // stop 81's did (B25 143.3, B26 149.0, B28 160.5, B26 64/8 150.5, us), 1.2-2.3% ahead of the
+    // partition on equal rows (level at L6144), 0-7% behind it on ragged batches (B25 78.9 / 75.2,
+    // B26 64/8 79.2 / 73.6). The partition's times agree across cards (B25 146.4 and 146.5); the
+    // two splits' do not (151.2, 143.3, and 139.7 on stop 81's card). Without the TMA kernels these
+    // items keep the two splits (above), unmeasured against 16 splits an item.
     const bool share_short = p.capacity >= 4096 && slots > sms &&
                              (2 * slots <= 3 * sms || (device.decode_tma_kernels && 4 * slots <= 7 * sms));
     // At head size 64 (its kernel on the TMA loader's 32-key slices), on 4,096 keys of capacity or
@@ -290,7 +293,9 @@ Plan make_plan(const Params& p, const DeviceInfo& device) {
     // (130.8); B12 L16384 134.2 / 150.8 (139.5); lengths from 256: B20 L4096 36.4 / 40.0, B12 L8192
     // 35.3 / 41.4. Not taken: B9 L4096 (72 items) 31.8 / 27.8, B16 L4096 (128) 47.3 / 46.4, B64
     // 14/2/64 L4096 (128) 48.6 / 46.7, B28 L4096 (224) 82.4 / 82.8, 2,048 keys (B20 34.5 / 34.9,
-    // B24 40.1 / 40.0, from 256 26.7 / 25.6; B80 14/2/64 36.1 / 35.6). Not measured on an H200.
+    // B24 40.1 / 40.0, from 256 26.7 / 25.6; B80 14/2/64 36.1 / 35.6). H200, stop 84, this against
+    // SDPA cuDNN alone (no pin gives back the grid of splits): B20 L4096 45.7 (44.8), B12 L8192
+    // 53.4 (64.2), B20 L4096 from 256 29.1 (44.8).
     const bool share_64 = p.capacity >= 4096 &&
                           ((3 * slots > 2 * sms && 8 * slots < 7 * sms) || (slots > sms && 2 * slots <= 3 * sms));
     const bool share_128 = p.capacity >= 8192 ? share_band || share_long || share_few : share_short;
