@@ -722,10 +722,12 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
         }
 #pragma unroll
         for (int hf = 0; hf < kHalves; ++hf) {
-          uint32_t k4[4];  // keys 0-7 x d 0-7, keys 0-7 x d 8-15, keys 8-15 x d 0-7, keys 8-15 x d 8-15
-          const int key = hf * 16 + (lane >> 4) * 8 + (lane & 7);
-          ldmatrix_x4(k4, slice_chunk(stage, false, key, kk * 2 + ((lane >> 3) & 1)));
-          const uint32_t ka[4] = {k4[0], k4[2], k4[1], k4[3]};
+          // The A operand's order: keys 0-7 x d 0-7, keys 8-15 x d 0-7, keys 0-7 x d 8-15, keys
+          // 8-15 x d 8-15. The lanes' addresses put each 8 x 8 matrix in its own register, so
+          // the mma takes them as loaded (a reorder after the load cost four moves an mma).
+          uint32_t ka[4];
+          const int key = hf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+          ldmatrix_x4(ka, slice_chunk(stage, false, key, kk * 2 + (lane >> 4)));
           mma16816<T>(kTwoChains && (kk & 1) ? st_odd[hf] : st[hf], ka, b0, b1);
         }
       }
@@ -782,10 +784,11 @@ __global__ void __launch_bounds__(DecodeCfg<D, kLoader>::kThreads)
         const uint32_t pb1 = movmatrix_trans(pack2<T>(st[hf][2], st[hf][3]));
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
-          uint32_t v4[4];  // (V^T) d 0-7 x keys 0-7, d 0-7 x keys 8-15, d 8-15 x keys 0-7, d 8-15 x keys 8-15
-          const int key = hf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-          ldmatrix_x4_trans(v4, slice_chunk(stage, true, key, dn * 2 + (lane >> 4)));
-          const uint32_t va[4] = {v4[0], v4[2], v4[1], v4[3]};
+          // (V^T) in the A operand's order, as loaded: d 0-7 x keys 0-7, d 8-15 x keys 0-7,
+          // d 0-7 x keys 8-15, d 8-15 x keys 8-15.
+          uint32_t va[4];
+          const int key = hf * 16 + (lane >> 4) * 8 + (lane & 7);
+          ldmatrix_x4_trans(va, slice_chunk(stage, true, key, dn * 2 + ((lane >> 3) & 1)));
           mma16816<T>(o[dn], va, pb0, pb1);
         }
       }
