@@ -46,6 +46,7 @@ ROWS = {  # name: (B, L, S[, D[, Hq, Hkv]]): S = 1 decode, else a causal prefill
     "d64_b1_l1024": (1, 1024, 1, 64, 14, 2),  # bench_decode.py's 14/2/64 rows
     "d64_b1_l32768": (1, 32768, 1, 64, 14, 2),
     "g8_b16_l8192": (16, 8192, 1, 128, 64, 8),  # its 64/8 row
+    "g8_b15_l8192": (15, 8192, 1, 128, 64, 8),  # 120 items on 132 SMs (stop 85's A/B)
 }
 
 
