@@ -11,6 +11,7 @@
 #   bash scripts/gpu_validate.sh rest    # the prefill GPU tests in seven processes beside the
 #                                        # other test files (the CUDA fuzz, parity, torch
 #                                        # integration, soak and concurrency, ORT)
+#   bash scripts/gpu_validate.sh others  # those other test files alone (a decode-only change)
 #   bash scripts/gpu_validate.sh bench   # the three decode tables alone, FlexAttention included
 #                                        # (GQA_BENCH_ARGS=--no-flex leaves it out), then
 #                                        # benchmarks/small_smem.py
@@ -175,6 +176,13 @@ decode_sanitizers() {
     part sanitizers checks
 }
 
+# The GPU test files besides decode's and prefill's (OTHER_FILES), in four processes that share
+# $1 CPU threads.
+other_tests() {
+  GQA_CHECKS="test" GQA_OMP_THREADS=$1 GQA_TEST_TIMEOUT=340 GQA_TEST_SPLIT="fuzz;parity;integration" \
+    GQA_TESTS="$OTHER_FILES" part other_tests checks
+}
+
 case ${1:-} in
   decode)
     # The sanitizers after the tests: memcheck beside the equal-rows shard slowed it past its
@@ -190,9 +198,10 @@ case ${1:-} in
     GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TESTS="tests/test_cuda.py" GQA_TEST_K="prefill" GQA_TEST_TIMEOUT=340 \
       GQA_TEST_SPLIT="$PREFILL_SPLIT" part prefill_tests checks &
     prefill=$!
-    GQA_CHECKS="test" GQA_OMP_THREADS=8 GQA_TEST_TIMEOUT=340 GQA_TEST_SPLIT="fuzz;parity;integration" \
-      GQA_TESTS="$OTHER_FILES" part other_tests checks || status=1
+    other_tests 8 || status=1
     wait $prefill || status=1 ;;
+  others)
+    other_tests 16 || status=1 ;;
   bench)
     decode_tables || status=1
     small_smem_timings || status=1 ;;
@@ -209,6 +218,6 @@ case ${1:-} in
   shards)
     PYTHONPATH=$PWD check_decode_shards || status=1 ;;
   *)
-    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|sanitizers|rest|bench|smem|grid|rules|shards"; exit 2 ;;
+    echo "usage: bash scripts/gpu_validate.sh decode|decode_tests|sanitizers|rest|others|bench|smem|grid|rules|shards"; exit 2 ;;
 esac
 exit $status
