@@ -6,9 +6,9 @@
 #
 # Each patch is applied to this tree, built by scripts/build_for_device.sh (incremental: seconds
 # where the patch touches host files, minutes where it touches a kernel), and its extension
-# packed as .variants/<patch name>.so.xz (about 13 MB); then the patch is taken back out and the
+# packed as .variants/<patch name>.so.xz (about 14 MB); then the patch is taken back out and the
 # landed extension rebuilt. .variants/ is git-ignored: name it in the device tool's `carry`
-# beside the extension (the carried paths hold 64 MiB in all: two variants at most beside the
+# beside the extension (the carried paths hold 64 MiB in all: three variants at most beside the
 # extension). There, `GQA_VARIANTS="<patch> ..." bash
 # scripts/gpu_check.sh variants abdecode` unpacks a packed variant instead of building it.
 # The files a patch touches must have no uncommitted changes.
@@ -26,7 +26,10 @@ for patch in "$@"; do
     echo "pack_variant: $patch did not build" >&2
     exit 1
   fi
-  xz -T2 -3 -c gqa_torch/_C.cpython-312-x86_64-linux-gnu.so > ".variants/$name.so.xz"
+  # Without its debug sections (half the library's bytes) the packed file is about 14 MB, so
+  # that three variants fit in the carry's 64 MiB beside the (stripped) extension.
+  strip -S -o /tmp/gqa_pack_variant.so gqa_torch/_C.cpython-312-x86_64-linux-gnu.so
+  xz -T2 -6 -c /tmp/gqa_pack_variant.so > ".variants/$name.so.xz"
   echo "packed .variants/$name.so.xz ($(du -h ".variants/$name.so.xz" | cut -f1))"
   git apply -R "$patch"
   trap - EXIT
