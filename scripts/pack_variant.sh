@@ -26,10 +26,9 @@ for patch in "$@"; do
     echo "pack_variant: $patch did not build" >&2
     exit 1
   fi
-  # Without its debug sections (half the library's bytes) the packed file is about 14 MB, so
-  # that three variants fit in the carry's 64 MiB beside the (stripped) extension.
-  strip -S -o /tmp/gqa_pack_variant.so gqa_torch/_C.cpython-312-x86_64-linux-gnu.so
-  xz -T2 -6 -c /tmp/gqa_pack_variant.so > ".variants/$name.so.xz"
+  # build_for_device.sh left the library without its debug sections, so the packed file is
+  # about 14 MB: three variants fit in the carry's 64 MiB beside the extension.
+  xz -T2 -6 -c gqa_torch/_C.cpython-312-x86_64-linux-gnu.so > ".variants/$name.so.xz"
   echo "packed .variants/$name.so.xz ($(du -h ".variants/$name.so.xz" | cut -f1))"
   git apply -R "$patch"
   trap - EXIT
