@@ -7,7 +7,8 @@ By the mean of each build's repeats against main's: the equal rows of 64/8/128 o
 (B15 and B16) each 0.3% faster or more, no ragged row more than 0.5% slower and no other row
 more than 0.3% slower. Prints each row's change and a verdict; exits 0 where the rule holds
 (so that a device script can go on to the candidate's tables), 1 where it does not or the log
-holds no rows of both builds."""
+lacks either equal row (B15 or B16 64/8/128 L8192) for both builds: a run cut short by its
+timeout must not pass on the rows it reached."""
 import argparse
 import collections
 import re
@@ -24,7 +25,8 @@ def main():
             m = re.match(r"(\S+) row (\d+) (.*?): ours ([\d.]+)", line)
             if m:
                 times[m.group(3)][m.group(1)].append(float(m.group(4)))
-    compared, holds = 0, True
+    deciding_rows = {"B15 64/8/128 L8192", "B16 64/8/128 L8192"}
+    compared, holds = set(), True
     for row, by_build in times.items():
         if "main" not in by_build or args.tag not in by_build:
             continue
@@ -37,9 +39,12 @@ def main():
         else:
             ok = change <= 0.003
         print(f"{row}: {100 * change:+.2f}% {'ok' if ok else 'FAILS'}")
-        compared += 1
+        compared.add(row)
         holds &= ok
-    verdict = compared > 0 and holds
+    missing = sorted(deciding_rows - compared)
+    if missing:
+        print(f"missing from the log for main or {args.tag}: {', '.join(missing)}")
+    verdict = not missing and holds
     print("the rule holds: land" if verdict else "the rule does not hold: keep main")
     raise SystemExit(0 if verdict else 1)
 
