@@ -34,7 +34,7 @@ def main():
         change = mean[args.tag] / mean["main"] - 1
         if "ragged" in row:
             ok = change <= 0.005
-        elif " 64/8/128 L8192" in row:
+        elif row in deciding_rows:
             ok = change <= -0.003
         else:
             ok = change <= 0.003
